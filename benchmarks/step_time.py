@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Median step time of a supervised, a MoCo and a SimCLR training step, side by side in one run.
+
+Same backbone, batch and optimizer for all three; each step is forward + backward + optimizer
+step (+ enqueue and EMA for MoCo). Printed as ratios to the supervised step next to their floors:
+MoCo 4/3 (one extra forward of the key encoder, a forward costing about 1/3 of forward+backward),
+SimCLR 2 (two views forward and backward). Targets: MoCo <= 1.40, SimCLR <= 2.10.
+
+    python benchmarks/step_time.py                      # resnet18, 256 images at 32x32
+    python benchmarks/step_time.py --backbone resnet50 --image_size 64 --batch_size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import timm
+import torch
+import torch.nn.functional as F
+
+from hf_contrast import MoCoConfig, MoCoModel, SimCLRConfig, SimCLRModel
+
+
+def supervised_step(model, head, opt, x, y):
+    loss = F.cross_entropy(head(model(x)), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def moco_step(model, opt, x1, x2):
+    out = model(x1, x2)
+    out.loss.backward()
+    model.enqueue(out.keys)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.momentum_update(0.99)
+
+
+def simclr_step(model, opt, x1, x2):
+    model(x1, x2).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backbone", default="resnet18")
+    p.add_argument("--batch_size", type=int, default=256)
+    p.add_argument("--image_size", type=int, default=32)
+    p.add_argument("--queue_size", type=int, default=65536)
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds; each round runs the three steps once")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    x1 = torch.randn(a.batch_size, 3, a.image_size, a.image_size)
+    x2 = torch.randn_like(x1)
+    y = torch.randint(0, 10, (a.batch_size,))
+    common = dict(backbone=a.backbone, image_size=a.image_size)
+
+    sup = timm.create_model(a.backbone, pretrained=False, num_classes=0)
+    head = torch.nn.Linear(sup.num_features, 10)
+    moco = MoCoModel(MoCoConfig(queue_size=a.queue_size, **common))
+    moco.enqueue(F.normalize(torch.randn(a.queue_size, moco.config.projection_dim), dim=1))  # a full queue
+    simclr = SimCLRModel(SimCLRConfig(**common))
+    sgd = lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9)  # noqa: E731
+    steps = {
+        "supervised": (supervised_step, (sup, head, sgd([*sup.parameters(), *head.parameters()]), x1, y)),
+        "moco": (moco_step, (moco, sgd(moco.query_parameters()), x1, x2)),
+        "simclr": (simclr_step, (simclr, sgd(simclr.parameters()), x1, x2)),
+    }
+    times = {name: [] for name in steps}
+    for round_ in range(a.repeats + 1):  # round 0 warms up
+        for name, (fn, fn_args) in steps.items():  # interleaved, so drift hits all three alike
+            t = time.perf_counter()
+            fn(*fn_args)
+            if round_:
+                times[name].append(time.perf_counter() - t)
+    base = statistics.median(times["supervised"])
+    floors = {"supervised": 1.0, "moco": 4 / 3, "simclr": 2.0}
+    targets = {"supervised": None, "moco": 1.40, "simclr": 2.10}
+    print(f"{a.backbone}, batch {a.batch_size} at {a.image_size}x{a.image_size}, queue {a.queue_size}, "
+          f"{torch.get_num_threads()} threads, median of {a.repeats}")
+    print(f"{'step':<11}{'median s':>10}{'ratio':>8}{'floor':>8}{'target':>8}")
+    for name in steps:
+        med = statistics.median(times[name])
+        target = f"{targets[name]:.2f}" if targets[name] else "-"
+        print(f"{name:<11}{med:>10.3f}{med / base:>8.2f}{floors[name]:>8.2f}{target:>8}")
+
+
+if __name__ == "__main__":
+    main()

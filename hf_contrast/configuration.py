@@ -1,0 +1,150 @@
+"""Configurations of the contrastive models: every knob, documented and validated at construction.
+
+Defaults follow the official recipes, so ``MoCoConfig()`` is MoCo v2 and ``SimCLRConfig()`` is
+SimCLR v1 as their authors ran them on ImageNet:
+
+* MoCo v2 (facebookresearch/moco ``main_moco.py`` with ``--mlp --moco-t 0.2 --aug-plus --cos``):
+  queue 65536, momentum 0.999 constant, temperature 0.2, head 2048-ReLU-128 without BatchNorm.
+* SimCLR v1 (google-research/simclr, paper section B.9): temperature 0.1 for ImageNet,
+  head 2048-BN-ReLU-128, negatives gathered over all devices.
+
+``training/pretrain.py`` overrides some of them for its small default dataset and says why.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+import timm
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+MOMENTUM_SCHEDULES = ("constant", "cosine")
+
+
+def check_timm_name(name: str, field: str = "backbone") -> None:
+    """Raise ``ValueError`` if ``name`` is not a timm architecture, suggesting close matches."""
+    arch = name.split(".", 1)[0]  # drop a pretrained tag such as ".a1_in1k"
+    if timm.is_model(arch):
+        return
+    close = difflib.get_close_matches(arch, timm.list_models(), n=5, cutoff=0.6)
+    hint = f" Did you mean one of: {', '.join(close)}?" if close else " See timm.list_models() for the names."
+    raise ValueError(f"{field}={name!r} is not a timm model name.{hint}")
+
+
+def _check(condition, field: str, value: Any, allowed: str) -> None:
+    """Raise a ValueError naming the field, its value and what is allowed.
+
+    ``condition`` may be a callable, evaluated here, so a value of the wrong type (a string where a
+    number belongs) fails with the same message instead of a bare TypeError.
+    """
+    if callable(condition):
+        try:
+            condition = condition()
+        except TypeError:
+            condition = False
+    numeric = allowed.startswith(("an integer", "a float", "in ["))
+    if numeric and isinstance(value, bool) or allowed.startswith("an integer") and not isinstance(value, int):
+        condition = False
+    if not condition:
+        raise ValueError(f"{field}={value!r} is invalid: {field} must be {allowed}.")
+
+
+@strict(accept_kwargs=True)
+class ContrastiveConfig(PreTrainedConfig):
+    """Fields shared by every contrastive method (not registered as a model type of its own).
+
+    Args:
+        backbone: any timm architecture name; built with ``pretrained=False, num_classes=0`` so the
+            encoder returns pooled features.
+        backbone_kwargs: extra keyword arguments for ``timm.create_model`` (e.g. ``in_chans``,
+            ``drop_path_rate``). They travel into the exported timm ``model_args``.
+        projection_hidden_dim: width of the projection head's hidden layers.
+        projection_dim: size of the embeddings the loss compares.
+        projection_layers: number of linear layers in the head (>= 1; 1 means a single linear map).
+        projection_batch_norm: BatchNorm after each hidden linear layer of the head.
+        projection_output_batch_norm: BatchNorm (no affine) on the head's output, as MoCo v3 and
+            SimCLR v2: no output dimension can lose its batch variance, so the embeddings cannot
+            collapse onto one direction.
+        temperature: softmax temperature of the contrastive loss, > 0.
+        image_size: side of the square training crops; recorded for export and checked against data.
+    """
+
+    backbone: str = "resnet50"
+    backbone_kwargs: dict[str, Any] | None = None
+    projection_hidden_dim: int = 2048
+    projection_dim: int = 128
+    projection_layers: int = 2
+    projection_batch_norm: bool = False
+    projection_output_batch_norm: bool = False
+    temperature: float = 0.2
+    image_size: int = 224
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.backbone_kwargs is None:
+            self.backbone_kwargs = {}
+        check_timm_name(self.backbone)
+        reserved = {"pretrained", "num_classes"} & set(self.backbone_kwargs)
+        _check(not reserved, "backbone_kwargs", self.backbone_kwargs,
+               "free of 'pretrained' and 'num_classes' (the encoder is always built headless, from scratch)")
+        _check(lambda: self.projection_hidden_dim >= 1, "projection_hidden_dim", self.projection_hidden_dim, "an integer >= 1")
+        _check(lambda: self.projection_dim >= 1, "projection_dim", self.projection_dim, "an integer >= 1")
+        _check(lambda: self.projection_layers >= 1, "projection_layers", self.projection_layers, "an integer >= 1")
+        _check(lambda: self.temperature > 0, "temperature", self.temperature, "a float > 0 (0.07 to 0.5 is usual)")
+        _check(lambda: self.image_size >= 1, "image_size", self.image_size, "an integer >= 1 (pixels)")
+
+
+@strict(accept_kwargs=True)
+class MoCoConfig(ContrastiveConfig):
+    """MoCo (He et al. 2020; Chen et al. 2020 for v2): momentum key encoder and a queue of negatives.
+
+    Args:
+        queue_size: number of negative keys held in the FIFO queue (65536 in MoCo). Independent of
+            the batch size; need not be a multiple of it. Memory: ``queue_size * projection_dim * 4``
+            bytes (32 MiB at the defaults).
+        momentum: EMA coefficient ``m`` of ``theta_k <- m * theta_k + (1 - m) * theta_q``, applied
+            once per optimizer step, in [0, 1]. 0.999 in MoCo; m = 0 copies the query encoder (fails).
+        momentum_schedule: ``"constant"`` (MoCo v1/v2) or ``"cosine"`` (MoCo v3/BYOL: from
+            ``momentum`` at step 0 to 1.0 at the last step).
+        symmetric_loss: also use view 2 as query against view 1's key and average (MoCo v3); both
+            views' keys are then enqueued.
+        shuffle_bn: run the key encoder on a shuffled batch (across processes when there are
+            several), so BatchNorm statistics cannot leak which key belongs to which query.
+    """
+
+    model_type = "hf_contrast_moco"
+
+    queue_size: int = 65536
+    momentum: float = 0.999
+    momentum_schedule: Literal["constant", "cosine"] = "constant"
+    symmetric_loss: bool = False
+    shuffle_bn: bool = True
+    key_bn_splits: int = 4
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        _check(lambda: self.queue_size >= 1, "queue_size", self.queue_size, "an integer >= 1 (65536 in MoCo)")
+        _check(lambda: 0.0 <= self.momentum <= 1.0, "momentum", self.momentum, "in [0, 1] (0.999 in MoCo v2, 0.99 in v3)")
+        _check(self.momentum_schedule in MOMENTUM_SCHEDULES, "momentum_schedule", self.momentum_schedule,
+               f"one of {MOMENTUM_SCHEDULES}")
+
+
+@strict(accept_kwargs=True)
+class SimCLRConfig(ContrastiveConfig):
+    """SimCLR (Chen et al. 2020): in-batch negatives with the NT-Xent loss.
+
+    A batch of N images gives 2N views; each anchor has 1 positive and 2N - 2 negatives, or
+    2 * N * world_size - 2 when ``gather_distributed`` gathers the views of every process.
+
+    Args:
+        gather_distributed: compute each anchor's loss against the views of all processes
+            (with gradient). Off gives per-device negatives, which is what most ports do silently.
+    """
+
+    model_type = "hf_contrast_simclr"
+
+    temperature: float = 0.1
+    projection_batch_norm: bool = True
+    gather_distributed: bool = True

@@ -1,0 +1,91 @@
+"""The only module that touches ``torch.distributed``.
+
+Every helper works unchanged on one process (no process group): gathers return their input and
+shuffles are plain permutations. Gathers assume every process holds the same number of rows
+(the trainer drops the last incomplete batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+@torch.no_grad()
+def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``x`` ``(B, ...)`` of all processes in rank order -> ``(B * W, ...)``, detached."""
+    if not is_distributed():
+        return x.detach()
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(parts, x.detach().contiguous())
+    return torch.cat(parts)
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """All-gather whose backward sums the gradients of every process and keeps this rank's slice.
+
+    Each process's loss depends on all gathered rows, so row r of the gathered tensor receives
+    gradient from every process's loss; summing them and letting DDP average parameter gradients
+    gives exactly the gradient of the mean loss over all processes' anchors.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(world_size())]
+        dist.all_gather(parts, x.contiguous())
+        ctx.rows = x.shape[0]
+        return torch.cat(parts)  # (B * W, ...)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        start = rank() * ctx.rows
+        return grad[start : start + ctx.rows]
+
+
+def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """Differentiable all-gather: ``(B, ...)`` -> ``(B * W, ...)`` in rank order."""
+    if not is_distributed():
+        return x
+    return _GatherWithGrad.apply(x)
+
+
+@torch.no_grad()
+def batch_shuffle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Shuffle the global batch across processes (MoCo's shuffle-BN).
+
+    Returns this process's share ``(B, ...)`` of the randomly permuted global batch and the
+    indices that undo it. On one process BatchNorm statistics do not depend on the order of the
+    batch, so there is nothing to shuffle: ``x`` comes back unchanged with ``None``.
+    """
+    if not is_distributed():
+        return x, None
+    x_all = gather_no_grad(x)  # (B * W, ...)
+    perm = torch.randperm(x_all.shape[0], device=x.device)
+    dist.broadcast(perm, src=0)  # every process uses rank 0's permutation
+    unshuffle = torch.argsort(perm)
+    mine = perm.view(world_size(), -1)[rank()]
+    return x_all[mine], unshuffle
+
+
+@torch.no_grad()
+def batch_unshuffle(x: torch.Tensor, unshuffle: torch.Tensor | None) -> torch.Tensor:
+    """Undo :func:`batch_shuffle` on its output ``(B, ...)``: this process's rows in original order."""
+    if unshuffle is None:
+        return x
+    x_all = gather_no_grad(x)  # (B * W, ...) in shuffled order
+    mine = unshuffle.view(world_size(), -1)[rank()]
+    return x_all[mine]

@@ -1,0 +1,81 @@
+"""Evaluation of frozen features: weighted kNN top-1 (the InstDisc / MoCo monitor)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+
+@torch.no_grad()
+def extract_features(
+    encoder: nn.Module | None, dataset, batch_size: int = 256, device: str | torch.device | None = None,
+    progress: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and labels of a dataset whose items hold ``pixel_values`` and ``labels``.
+
+    Args:
+        encoder: maps ``(B, C, H, W)`` to ``(B, F)``; ``None`` returns the flattened pixels.
+        dataset: e.g. :func:`hf_contrast.data.eval_dataset`.
+        batch_size: images per forward.
+        device: where to run; defaults to the encoder's device.
+        progress: show a progress bar.
+
+    Returns:
+        ``(features (N, F) float32 on CPU, labels (N,) long)``.
+    """
+    if encoder is not None:
+        was_training = encoder.training
+        encoder.eval()
+        device = device or next(encoder.parameters()).device
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    feats, labels = [], []
+    for batch in tqdm(loader, desc="features", disable=not progress, leave=False):
+        x = batch["pixel_values"]
+        f = x.flatten(1) if encoder is None else encoder(x.to(device)).float().cpu()  # (B, F)
+        feats.append(f)
+        labels.append(torch.as_tensor(batch["labels"]))
+    if encoder is not None:
+        encoder.train(was_training)
+    return torch.cat(feats), torch.cat(labels)
+
+
+@torch.no_grad()
+def knn_top1(
+    train_features: torch.Tensor,
+    train_labels: torch.Tensor,
+    test_features: torch.Tensor,
+    test_labels: torch.Tensor,
+    k: int = 200,
+    temperature: float = 0.1,
+    chunk_size: int = 1024,
+) -> float:
+    """Weighted kNN top-1 accuracy with cosine similarity (Wu et al. 2018, MoCo's CIFAR monitor).
+
+    Each test sample votes over its ``k`` nearest training samples, each weighted by
+    ``exp(cos / temperature)``; the class with the largest summed weight wins.
+    """
+    if train_features.shape[0] == 0 or test_features.shape[0] == 0:
+        raise ValueError("knn_top1 needs at least one training and one test sample")
+    k = min(k, train_features.shape[0])
+    num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+    bank = F.normalize(train_features.float(), dim=1)  # (Ntr, F)
+    correct = 0
+    for start in range(0, test_features.shape[0], chunk_size):
+        q = F.normalize(test_features[start : start + chunk_size].float(), dim=1)  # (b, F)
+        sim, idx = (q @ bank.T).topk(k, dim=1)  # (b, k)
+        weights = (sim / temperature).exp()  # (b, k)
+        votes = torch.zeros(q.shape[0], num_classes)
+        votes.scatter_add_(1, train_labels[idx].long(), weights)  # (b, C)
+        correct += (votes.argmax(1) == test_labels[start : start + chunk_size]).sum().item()
+    return correct / test_features.shape[0]
+
+
+def knn_accuracy(encoder: nn.Module | None, train_dataset, test_dataset, k: int = 200,
+                 temperature: float = 0.1, batch_size: int = 256, progress: bool = False) -> float:
+    """Extract features of both splits with ``encoder`` (``None``: raw pixels) and return kNN top-1."""
+    train = extract_features(encoder, train_dataset, batch_size, progress=progress)
+    test = extract_features(encoder, test_dataset, batch_size, progress=progress)
+    return knn_top1(*train, *test, k=k, temperature=temperature)

@@ -1,0 +1,108 @@
+"""Contrastive losses as pure functions over embeddings.
+
+Both losses take embeddings (never a model), L2-normalise them inside and do the similarity and
+log-sum-exp math in float32 with autocast disabled, so they stay finite at temperature 0.01 under
+bf16/fp16 training. Each loss has a ``*_logits`` twin that returns the logits and the index of the
+positive per anchor; the trainer derives its metrics (contrastive top-1, positive/negative cosine)
+from those without recomputing anything.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _fp32_normalize(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x.float(), dim=-1)
+
+
+def nt_xent_logits(
+    z_a: torch.Tensor,
+    z_b: torch.Tensor,
+    temperature: float,
+    *,
+    z_a_all: torch.Tensor | None = None,
+    z_b_all: torch.Tensor | None = None,
+    rank: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and positive indices of SimCLR's NT-Xent loss.
+
+    Anchors are the 2N local views ``[z_a; z_b]``. Candidates are all 2M views
+    ``[z_a_all; z_b_all]`` (M = N * world_size when gathered across processes, else M = N). Each
+    anchor's own entry is masked with ``-inf``; its positive is the other view of the same image.
+
+    Args:
+        z_a: first views of the local batch, shape ``(N, D)``.
+        z_b: second views, shape ``(N, D)``.
+        temperature: softmax temperature, > 0.
+        z_a_all: first views gathered over processes, shape ``(M, D)``; defaults to ``z_a``.
+        z_b_all: second views gathered over processes, shape ``(M, D)``; defaults to ``z_b``.
+        rank: index of this process; the local batch sits at rows ``rank*N ... rank*N + N - 1``
+            of the gathered tensors.
+
+    Returns:
+        ``(logits, positives)``: logits of shape ``(2N, 2M)`` (float32, self entries ``-inf``)
+        and the positive's column for each anchor, shape ``(2N,)``.
+    """
+    if z_a.shape != z_b.shape:
+        raise ValueError(f"z_a and z_b must have the same shape, got {tuple(z_a.shape)} and {tuple(z_b.shape)}")
+    z_a_all = z_a if z_a_all is None else z_a_all
+    z_b_all = z_b if z_b_all is None else z_b_all
+    n, m = z_a.shape[0], z_a_all.shape[0]
+    with torch.autocast(device_type=z_a.device.type, enabled=False):
+        anchors = _fp32_normalize(torch.cat([z_a, z_b]))  # (2N, D)
+        candidates = _fp32_normalize(torch.cat([z_a_all, z_b_all]))  # (2M, D)
+        logits = anchors @ candidates.T / temperature  # (2N, 2M)
+        rows = torch.arange(2 * n, device=z_a.device)
+        idx = torch.arange(n, device=z_a.device) + rank * n  # (N,) local images among the M
+        self_cols = torch.cat([idx, idx + m])  # (2N,) where each anchor meets itself
+        positives = torch.cat([idx + m, idx])  # (2N,) the other view of the same image
+        self_mask = torch.zeros_like(logits, dtype=torch.bool)
+        self_mask[rows, self_cols] = True
+        logits = logits.masked_fill(self_mask, float("-inf"))
+    return logits, positives
+
+
+def nt_xent_loss(z_a: torch.Tensor, z_b: torch.Tensor, temperature: float, **gather_kwargs) -> torch.Tensor:
+    """SimCLR's NT-Xent loss: 2N views, 1 positive and 2N - 2 negatives per anchor.
+
+    The mean over all 2N anchors of ``-log(exp(s_pos / t) / sum_{k != self} exp(s_k / t))`` with
+    cosine similarities ``s``. Keyword arguments ``z_a_all``, ``z_b_all`` and ``rank`` extend the
+    candidates to views gathered from other processes (see :func:`nt_xent_logits`).
+    """
+    logits, positives = nt_xent_logits(z_a, z_b, temperature, **gather_kwargs)
+    return F.cross_entropy(logits, positives)
+
+
+def info_nce_logits(
+    query: torch.Tensor, key: torch.Tensor, negatives: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and labels of MoCo's InfoNCE: the positive in column 0, then the K negatives.
+
+    Args:
+        query: queries, shape ``(N, D)``.
+        key: their positive keys, shape ``(N, D)``.
+        negatives: the negative keys (MoCo's queue), shape ``(K, D)``; K may be 0.
+        temperature: softmax temperature, > 0.
+
+    Returns:
+        ``(logits, labels)``: float32 logits ``(N, 1 + K)`` and zeros ``(N,)``.
+    """
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        q = _fp32_normalize(query)  # (N, D)
+        k = _fp32_normalize(key)  # (N, D)
+        neg = _fp32_normalize(negatives)  # (K, D)
+        l_pos = torch.einsum("nd,nd->n", q, k).unsqueeze(-1)  # positive logits: (N, 1)
+        l_neg = torch.einsum("nd,kd->nk", q, neg)  # negative logits: (N, K)
+        logits = torch.cat([l_pos, l_neg], dim=1) / temperature  # (N, 1 + K)
+    labels = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+    return logits, labels
+
+
+def info_nce_loss(
+    query: torch.Tensor, key: torch.Tensor, negatives: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """MoCo's InfoNCE loss: cross-entropy picking each query's key among 1 + K candidates."""
+    logits, labels = info_nce_logits(query, key, negatives, temperature)
+    return F.cross_entropy(logits, labels)

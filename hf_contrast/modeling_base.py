@@ -1,0 +1,62 @@
+"""What MoCo and SimCLR models share: the PreTrainedModel base and the output dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration import ContrastiveConfig
+
+
+@dataclass
+class ContrastiveOutput(ModelOutput):
+    """Output of a contrastive model's forward.
+
+    Attributes:
+        loss: the contrastive loss (``None`` when ``return_loss=False``).
+        logits: float32 similarities / temperature, one row per anchor. MoCo: ``(A, 1 + K)`` with
+            the positive in column 0; SimCLR: ``(2N, 2M)`` with each anchor's own entry ``-inf``.
+        labels: the column of each anchor's positive, ``(A,)``.
+        embeddings: the anchors' projections (before normalisation), ``(A, D)``.
+        keys: MoCo only: L2-normalised keys to enqueue after the loss, ``(B, D)``.
+        num_negatives: negatives per anchor actually used by this forward.
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    embeddings: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    num_negatives: int | None = None
+
+
+class ContrastivePreTrainedModel(PreTrainedModel):
+    """Base of the contrastive models: a timm ``encoder`` and a ``projector`` head.
+
+    Weights are initialised by timm and torch at construction; transformers' generic initialiser
+    is not applied on top (it would overwrite timm's per-architecture init).
+    """
+
+    config_class = ContrastiveConfig
+    base_model_prefix = "encoder"
+    main_input_name = "pixel_values"
+    input_modalities = ("image",)
+    model_tags = ["hf_contrast", "timm"]
+    accepts_loss_kwargs = False
+    _no_split_modules = []
+
+    def _init_weights(self, module):
+        if hasattr(module, "init_non_persistent_buffers"):  # e.g. timm's relative position tables
+            module.init_non_persistent_buffers()
+
+    def get_input_embeddings(self):
+        return None
+
+    @torch.no_grad()
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Pooled backbone features of images ``(B, 3, H, W)`` -> ``(B, num_features)``: what
+        downstream tasks (kNN, linear probe, fine-tuning) use."""
+        return self.encoder(pixel_values)

@@ -1,0 +1,54 @@
+"""The momentum (EMA) key encoder update, its schedules, and the FIFO queue of negative keys."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+def momentum_at(step: int, total_steps: int, base: float, schedule: str = "constant") -> float:
+    """The EMA coefficient for optimizer step ``step`` (0-based) of ``total_steps``.
+
+    ``constant`` returns ``base`` (MoCo v1/v2). ``cosine`` rises from ``base`` at step 0 to 1.0 at
+    the end: ``1 - (1 - base) * (cos(pi * step / total_steps) + 1) / 2`` (BYOL, MoCo v3).
+    """
+    if schedule == "constant":
+        return base
+    if schedule == "cosine":
+        progress = min(max(step / max(total_steps, 1), 0.0), 1.0)
+        return 1.0 - (1.0 - base) * (math.cos(math.pi * progress) + 1.0) / 2.0
+    raise ValueError(f"momentum_schedule={schedule!r} is invalid: it must be one of ('constant', 'cosine').")
+
+
+@torch.no_grad()
+def ema_update_(target: Iterable[torch.Tensor], source: Iterable[torch.Tensor], momentum: float) -> None:
+    """In place, for every pair: ``target <- momentum * target + (1 - momentum) * source``.
+
+    One fused multi-tensor (foreach) multiply and one fused add over all parameters.
+    """
+    target, source = list(target), list(source)
+    if len(target) != len(source):
+        raise ValueError(f"EMA needs matching parameter lists, got {len(target)} and {len(source)} tensors")
+    torch._foreach_mul_(target, momentum)
+    torch._foreach_add_(target, source, alpha=1.0 - momentum)
+
+
+@torch.no_grad()
+def enqueue_(queue: torch.Tensor, ptr: torch.Tensor, keys: torch.Tensor) -> None:
+    """Write ``keys`` ``(B, D)`` into the ring buffer ``queue`` ``(K, D)`` at ``ptr``, FIFO.
+
+    Works for any K and B: the write wraps around the end of the buffer, and when B > K only the
+    newest K keys are kept. ``ptr`` (a 0-d long tensor) then points at the oldest key.
+    """
+    size = queue.shape[0]
+    keys = keys.detach().to(queue.dtype)
+    if keys.shape[0] > size:  # only the newest K survive a write larger than the queue
+        start = int(ptr) + keys.shape[0] - size
+        keys = keys[-size:]
+        ptr.fill_(start % size)
+    n = keys.shape[0]
+    idx = (int(ptr) + torch.arange(n, device=queue.device)) % size  # (B,) slots, wrapping around
+    queue.index_copy_(0, idx, keys)
+    ptr.fill_((int(ptr) + n) % size)

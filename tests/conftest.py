@@ -1,0 +1,20 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# Tiny real timm models: test_resnet has BatchNorm, test_vit has LayerNorm; both run at 32x32.
+TINY = dict(projection_hidden_dim=32, projection_dim=16, image_size=32)
+
+
+@pytest.fixture(scope="session")
+def digits():
+    from hf_contrast import load_default_dataset
+
+    return load_default_dataset()

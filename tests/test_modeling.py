@@ -1,0 +1,143 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY
+from transformers import AutoConfig, AutoModel
+
+from hf_contrast import MoCoConfig, MoCoModel, SimCLRConfig, SimCLRModel
+
+
+def moco(**kw):
+    torch.manual_seed(0)
+    return MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=kw.pop("queue_size", 10), **TINY, **kw))
+
+
+def views(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randn(n, 3, 32, 32, generator=g)
+
+
+def test_moco_attributes_and_key_side_frozen():
+    m = moco()
+    assert m.queue.shape == (10, 16) and m.queue_ptr.dtype == torch.long
+    torch.testing.assert_close(m.queue.norm(dim=1), torch.ones(10))
+    assert all(not p.requires_grad for p in m.key_parameters())
+    assert all(p.requires_grad for p in m.query_parameters())
+    for a, b in zip(m.key_parameters(), m.query_parameters()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()  # deep copy, not shared
+
+
+def test_moco_forward_matches_paper_pseudocode_and_does_not_touch_queue():
+    m = moco()
+    m.enqueue(F.normalize(torch.randn(6, 16), dim=1))
+    x1, x2 = views()
+    queue_before = m.queue.clone()
+    out = m(x1, x2)
+    assert torch.equal(m.queue, queue_before) and int(m.queue_ptr) == 6  # forward never mutates the queue
+    assert out.num_negatives == 6 and out.logits.shape == (4, 7) and out.keys.shape == (4, 16)
+    # MoCo Algorithm 1 on the same weights (BN in train mode on both sides)
+    q = F.normalize(m.projector(m.encoder(x1)), dim=1)
+    with torch.no_grad():
+        k = F.normalize(m.key_projector(m.key_encoder(x2)), dim=1)
+    l_pos = (q * k).sum(1, keepdim=True)
+    l_neg = q @ m.queue[:6].T
+    ref = F.cross_entropy(torch.cat([l_pos, l_neg], 1) / 0.2, torch.zeros(4, dtype=torch.long))
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    out.loss.backward()
+    assert all(p.grad is None for p in m.key_parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.encoder.parameters())
+
+
+def test_moco_enqueue_after_backward_is_safe_and_fifo():
+    m = moco(queue_size=5)
+    x1, x2 = views(3)
+    for step in range(3):
+        out = m(x1, x2)
+        m.enqueue(out.keys)  # in place write after the loss used the queue
+        out.loss.backward()  # would raise if the logits had used the live queue
+    assert int(m.queue_filled) == 5 and int(m.queue_ptr) == 9 % 5
+
+
+def test_moco_symmetric_loss_uses_both_views():
+    m = moco(symmetric_loss=True)
+    out = m(*views())
+    assert out.logits.shape[0] == 8 and out.keys.shape == (8, 16)
+
+
+def test_momentum_update_on_model_is_exact_and_skips_buffers():
+    m = moco()
+    with torch.no_grad():
+        for p in m.query_parameters():
+            p.add_(1.0)
+    k0 = [p.clone() for p in m.key_parameters()]
+    bn_before = m.key_encoder.bn1.running_mean.clone()
+    m.momentum_update(0.9)
+    for k, k_before, q in zip(m.key_parameters(), k0, m.query_parameters()):
+        torch.testing.assert_close(k, 0.9 * k_before + 0.1 * q, rtol=0, atol=1e-6)
+    assert torch.equal(m.key_encoder.bn1.running_mean, bn_before)
+
+
+def test_simclr_forward_counts_negatives():
+    torch.manual_seed(0)
+    m = SimCLRModel(SimCLRConfig(backbone="test_resnet", **TINY))
+    out = m(*views(5))
+    assert out.num_negatives == 8 and out.logits.shape == (10, 10)
+    out.loss.backward()
+
+
+def test_save_load_round_trip_every_tensor(tmp_path):
+    m = moco()
+    out = m(*views())
+    m.enqueue(out.keys)
+    m.momentum_update(0.5)
+    m.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
+    for loader in (MoCoModel.from_pretrained, AutoModel.from_pretrained):
+        loaded = loader(tmp_path)
+        assert isinstance(loaded, MoCoModel)
+        sd, sd2 = m.state_dict(), loaded.state_dict()
+        assert set(sd) == set(sd2)
+        assert {"queue", "queue_ptr", "queue_filled"} <= set(sd)
+        assert any(k.startswith("key_encoder.") for k in sd)
+        for key in sd:
+            assert torch.equal(sd[key], sd2[key]), key
+        assert all(not p.requires_grad for p in loaded.key_parameters())
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), MoCoConfig)
+
+
+def test_simclr_auto_model_round_trip(tmp_path):
+    torch.manual_seed(0)
+    m = SimCLRModel(SimCLRConfig(backbone="test_vit", **TINY))
+    m.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert isinstance(loaded, SimCLRModel)
+    x = views()[0]
+    m.eval()
+    loaded.eval()
+    torch.testing.assert_close(m.encode(x), loaded.encode(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(momentum=1.2), "momentum"),
+        (dict(momentum=-0.1), "momentum"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(queue_size=0), "queue_size"),
+        (dict(queue_size=2.5), "queue_size"),
+        (dict(backbone="resnet181"), "backbone"),
+        (dict(momentum_schedule="linear"), "momentum_schedule"),
+        (dict(projection_dim=0), "projection_dim"),
+        (dict(backbone_kwargs={"num_classes": 10}), "backbone_kwargs"),
+    ],
+)
+def test_bad_config_raises_value_error_naming_field(kwargs, field):
+    with pytest.raises(ValueError, match=field) as err:
+        MoCoConfig(**kwargs)
+    assert "must" in str(err.value) or "Did you mean" in str(err.value)
+
+
+def test_unknown_backbone_suggests_close_names():
+    with pytest.raises(ValueError, match="resnet18"):
+        SimCLRConfig(backbone="resnet81")

@@ -1,0 +1,57 @@
+import math
+
+import pytest
+import torch
+
+from hf_contrast import ema_update_, enqueue_, momentum_at
+
+
+@pytest.mark.parametrize("m", [0.0, 0.5, 0.99, 0.999, 1.0])
+def test_ema_update_is_exact(m):
+    g = torch.Generator().manual_seed(0)
+    k = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    q = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    expected = [m * a + (1 - m) * b for a, b in zip(k, q)]
+    ema_update_(k, q, m)
+    for got, want in zip(k, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+    if m == 0.0:
+        assert all(torch.equal(a, b) for a, b in zip(k, q))  # m = 0 copies the query encoder
+    if m == 1.0:
+        assert all(torch.equal(a, b) for a, b in zip(k, expected))
+
+
+def test_ema_update_rejects_mismatched_lists():
+    with pytest.raises(ValueError, match="matching"):
+        ema_update_([torch.zeros(1)], [], 0.9)
+
+
+def test_momentum_schedules():
+    assert momentum_at(0, 100, 0.99, "constant") == 0.99
+    assert momentum_at(99, 100, 0.99, "constant") == 0.99
+    assert momentum_at(0, 100, 0.99, "cosine") == pytest.approx(0.99)
+    assert momentum_at(50, 100, 0.99, "cosine") == pytest.approx(0.995)
+    assert momentum_at(100, 100, 0.99, "cosine") == pytest.approx(1.0)
+    values = [momentum_at(s, 100, 0.9, "cosine") for s in range(101)]
+    assert all(a <= b for a, b in zip(values, values[1:]))  # rises monotonically
+    assert momentum_at(25, 100, 0.9, "cosine") == pytest.approx(1 - 0.1 * (math.cos(math.pi / 4) + 1) / 2)
+    with pytest.raises(ValueError, match="momentum_schedule"):
+        momentum_at(0, 1, 0.9, "linear")
+
+
+@pytest.mark.parametrize("size,batches", [(10, [4, 4, 4, 4]), (7, [3, 5, 1, 6]), (5, [12]), (6, [6, 6]), (3, [1] * 8)])
+def test_queue_is_fifo_for_any_size(size, batches):
+    queue = torch.full((size, 1), -1.0)
+    ptr = torch.zeros((), dtype=torch.long)
+    written = []
+    counter = 0
+    for b in batches:
+        keys = torch.arange(counter, counter + b, dtype=torch.float).unsqueeze(1)
+        counter += b
+        enqueue_(queue, ptr, keys)
+        written += keys.squeeze(1).tolist()
+        # reading from ptr (the oldest) around the ring gives the newest `size` keys in order
+        ring = torch.cat([queue[int(ptr):], queue[: int(ptr)]]).squeeze(1).tolist()
+        newest = written[-size:]
+        assert [x for x in ring if x >= 0] == newest
+    assert int(ptr) == sum(batches) % size
