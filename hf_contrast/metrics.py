@@ -51,7 +51,7 @@ class ContrastiveMetrics:
     def compute_and_reset(self) -> dict[str, float]:
         means = self.sums / self.count
         means = distributed.gather_no_grad(means.unsqueeze(0)).mean(0)  # average over processes
-        out = {name: round(float(v), 4) for name, v in zip(self.names, means)}
+        out = {name: round(float(v), 4) for name, v in zip(self.names, means, strict=False)}
         out["num_negatives"] = self.num_negatives
         self.sums, self.count = None, 0
         return out

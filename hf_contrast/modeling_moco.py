@@ -41,13 +41,24 @@ class MoCoModel(ContrastivePreTrainedModel):
         self.encoder, self.projector = build_encoder_and_head(config)
         self.key_encoder = copy.deepcopy(self.encoder)
         self.key_projector = copy.deepcopy(self.projector)
-        for p in self.key_parameters():
-            p.requires_grad_(False)
+        self._freeze_key_side()
         queue = F.normalize(torch.randn(config.queue_size, config.projection_dim), dim=1)
         self.register_buffer("queue", queue)
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
         self.register_buffer("queue_filled", torch.zeros((), dtype=torch.long))
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``; the loader materialises fresh parameters, so the key side
+        is frozen again afterwards."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded)._freeze_key_side()
+        return loaded
+
+    def _freeze_key_side(self) -> None:
+        for p in self.key_parameters():
+            p.requires_grad_(False)
 
     def query_parameters(self) -> list[torch.nn.Parameter]:
         return [*self.encoder.parameters(), *self.projector.parameters()]

@@ -23,12 +23,12 @@ def test_moco_attributes_and_key_side_frozen():
     torch.testing.assert_close(m.queue.norm(dim=1), torch.ones(10))
     assert all(not p.requires_grad for p in m.key_parameters())
     assert all(p.requires_grad for p in m.query_parameters())
-    for a, b in zip(m.key_parameters(), m.query_parameters()):
+    for a, b in zip(m.key_parameters(), m.query_parameters(), strict=False):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()  # deep copy, not shared
 
 
 def test_moco_forward_matches_paper_pseudocode_and_does_not_touch_queue():
-    m = moco()
+    m = moco(key_bn_splits=1)  # one key batch: the same BatchNorm statistics as the reference
     m.enqueue(F.normalize(torch.randn(6, 16), dim=1))
     x1, x2 = views()
     queue_before = m.queue.clone()
@@ -51,7 +51,7 @@ def test_moco_forward_matches_paper_pseudocode_and_does_not_touch_queue():
 def test_moco_enqueue_after_backward_is_safe_and_fifo():
     m = moco(queue_size=5)
     x1, x2 = views(3)
-    for step in range(3):
+    for _step in range(3):
         out = m(x1, x2)
         m.enqueue(out.keys)  # in place write after the loss used the queue
         out.loss.backward()  # would raise if the logits had used the live queue
@@ -72,7 +72,7 @@ def test_momentum_update_on_model_is_exact_and_skips_buffers():
     k0 = [p.clone() for p in m.key_parameters()]
     bn_before = m.key_encoder.bn1.running_mean.clone()
     m.momentum_update(0.9)
-    for k, k_before, q in zip(m.key_parameters(), k0, m.query_parameters()):
+    for k, k_before, q in zip(m.key_parameters(), k0, m.query_parameters(), strict=False):
         torch.testing.assert_close(k, 0.9 * k_before + 0.1 * q, rtol=0, atol=1e-6)
     assert torch.equal(m.key_encoder.bn1.running_mean, bn_before)
 

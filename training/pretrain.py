@@ -38,7 +38,14 @@ from hf_contrast import (
     TwoViewAugmentation,
     knn_accuracy,
 )
-from hf_contrast.data import DIGITS_MEAN, DIGITS_STD, IMAGENET_MEAN, IMAGENET_STD, eval_dataset, two_view_dataset
+from hf_contrast.data import (
+    DIGITS_MEAN,
+    DIGITS_STD,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    eval_dataset,
+    two_view_dataset,
+)
 
 logger = logging.getLogger("pretrain")
 
