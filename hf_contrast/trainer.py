@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
@@ -116,8 +117,24 @@ class ContrastiveTrainer(Trainer):
             unwrapped = self.accelerator.unwrap_model(model)
             if outputs.keys is not None:
                 unwrapped.enqueue(distributed.gather_no_grad(outputs.keys))  # after the loss used the queue
+                self._notify_enqueue(unwrapped, inputs, outputs)
             self.contrastive_metrics.update(outputs)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def _notify_enqueue(self, model, inputs, outputs) -> None:
+        """Call ``on_enqueue(model=, key_pixel_values=, keys=, state=)`` on every callback that has it.
+
+        ``keys`` are this process's keys ``(B', D)`` (before the cross-process gather) and
+        ``key_pixel_values`` the images they were computed from, row for row (MoCo's second views,
+        then the first views with ``symmetric_loss``). Diagnostics such as queue consistency use it."""
+        listeners = [cb for cb in self.callback_handler.callbacks if hasattr(cb, "on_enqueue")]
+        if not listeners:
+            return
+        key_images = inputs["pixel_values_2"]
+        if outputs.keys.shape[0] != key_images.shape[0]:  # symmetric: keys of view 2, then of view 1
+            key_images = torch.cat([inputs["pixel_values_2"], inputs["pixel_values"]])
+        for cb in listeners:
+            cb.on_enqueue(model=model, key_pixel_values=key_images, keys=outputs.keys, state=self.state)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.contrastive_metrics.count:  # a training log, not eval
