@@ -5,13 +5,18 @@ from transformers import AutoConfig, AutoModel
 from .backbone import ProjectionHead, create_backbone
 from .configuration import ContrastiveConfig, MoCoConfig, SimCLRConfig
 from .data import TwoViewAugmentation, eval_dataset, find_image_column, load_default_dataset, two_view_dataset
+from .diagnostics import alignment, key_consistency, parameter_drift, uniformity
 from .evaluation import extract_features, knn_accuracy, knn_top1
+from .export import export_encoder
+from .hub import HubPushError, push_encoder_to_hub
 from .losses import info_nce_logits, info_nce_loss, nt_xent_logits, nt_xent_loss
 from .metrics import ContrastiveMetrics
+from .model_card import EncoderCardData
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, enqueue_, momentum_at
+from .monitors import KNNMonitor, QueueConsistencyMonitor, RepresentationMonitor, TrainingMonitor
 from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
@@ -28,26 +33,38 @@ __all__ = [
     "ContrastivePreTrainedModel",
     "ContrastiveTrainer",
     "ContrastiveTrainingArguments",
+    "EncoderCardData",
+    "HubPushError",
+    "KNNMonitor",
     "MoCoConfig",
     "MoCoModel",
     "MomentumCallback",
     "ProjectionHead",
+    "QueueConsistencyMonitor",
+    "RepresentationMonitor",
     "SimCLRConfig",
     "SimCLRModel",
+    "TrainingMonitor",
     "TwoViewAugmentation",
+    "alignment",
     "create_backbone",
     "ema_update_",
     "enqueue_",
     "eval_dataset",
+    "export_encoder",
     "extract_features",
     "find_image_column",
     "info_nce_logits",
     "info_nce_loss",
+    "key_consistency",
     "knn_accuracy",
     "knn_top1",
     "load_default_dataset",
     "momentum_at",
     "nt_xent_logits",
     "nt_xent_loss",
+    "parameter_drift",
+    "push_encoder_to_hub",
     "two_view_dataset",
+    "uniformity",
 ]

@@ -112,6 +112,12 @@ class MoCoConfig(ContrastiveConfig):
             views' keys are then enqueued.
         shuffle_bn: run the key encoder on a shuffled batch (across processes when there are
             several), so BatchNorm statistics cannot leak which key belongs to which query.
+        key_bn_splits: on ONE process, where shuffling alone changes nothing for BatchNorm, the
+            shuffled key batch is split into this many sub-batches normalised separately (MoCo's
+            single-GPU "SplitBatchNorm" demo uses 8), so a key's statistics come from a random subset
+            of the batch rather than the query's batch. 1 turns it off; ignored on several processes
+            (there shuffle-BN across processes does the job). Backbones without BatchNorm
+            (ViT, ConvNeXt) need neither.
     """
 
     model_type = "hf_contrast_moco"
@@ -129,6 +135,7 @@ class MoCoConfig(ContrastiveConfig):
         _check(lambda: 0.0 <= self.momentum <= 1.0, "momentum", self.momentum, "in [0, 1] (0.999 in MoCo v2, 0.99 in v3)")
         _check(self.momentum_schedule in MOMENTUM_SCHEDULES, "momentum_schedule", self.momentum_schedule,
                f"one of {MOMENTUM_SCHEDULES}")
+        _check(lambda: self.key_bn_splits >= 1, "key_bn_splits", self.key_bn_splits, "an integer >= 1 (1: off)")
 
 
 @strict(accept_kwargs=True)
@@ -141,6 +148,10 @@ class SimCLRConfig(ContrastiveConfig):
     Args:
         gather_distributed: compute each anchor's loss against the views of all processes
             (with gradient). Off gives per-device negatives, which is what most ports do silently.
+        sync_batch_norm: synchronise BatchNorm statistics across processes (SimCLR's "global BN",
+            which stops the model from exploiting per-device statistics). Uses timm's
+            ``convert_sync_batchnorm``; torch's SyncBatchNorm needs GPU (or XPU/HPU) tensors when
+            several processes run, and is a plain BatchNorm on one process.
     """
 
     model_type = "hf_contrast_simclr"
@@ -148,3 +159,4 @@ class SimCLRConfig(ContrastiveConfig):
     temperature: float = 0.1
     projection_batch_norm: bool = True
     gather_distributed: bool = True
+    sync_batch_norm: bool = False

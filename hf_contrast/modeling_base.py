@@ -21,7 +21,9 @@ class ContrastiveOutput(ModelOutput):
             the positive in column 0; SimCLR: ``(2N, 2M)`` with each anchor's own entry ``-inf``.
         labels: the column of each anchor's positive, ``(A,)``.
         embeddings: the anchors' projections (before normalisation), ``(A, D)``.
-        keys: MoCo only: L2-normalised keys to enqueue after the loss, ``(B, D)``.
+        queue_keys: MoCo only: L2-normalised keys to enqueue after the loss, ``(B, D)``. (Not
+            ``keys``: a ``ModelOutput`` is a dict, and a field named ``keys`` would shadow
+            ``dict.keys``, which DDP's output handling calls.)
         num_negatives: negatives per anchor actually used by this forward.
     """
 
@@ -29,7 +31,7 @@ class ContrastiveOutput(ModelOutput):
     logits: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
+    queue_keys: torch.Tensor | None = None
     num_negatives: int | None = None
 
 

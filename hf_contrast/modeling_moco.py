@@ -31,7 +31,7 @@ class MoCoModel(ContrastivePreTrainedModel):
     Only the filled part of the queue is used as negatives, so ``num_negatives`` is the true count
     and the random vectors the official code starts from never act as negatives (on small data they
     let the queries collapse onto one direction within a few steps). The forward never mutates the
-    queue: the trainer calls :meth:`enqueue` with ``outputs.keys`` after the loss.
+    queue: the trainer calls :meth:`enqueue` with ``outputs.queue_keys`` after the loss.
     """
 
     config_class = MoCoConfig
@@ -139,6 +139,6 @@ class MoCoModel(ContrastivePreTrainedModel):
             embeddings, keys = torch.cat([q1, q2]), torch.cat([k2, k1])
         loss = F.cross_entropy(logits, labels) if return_loss else None
         return ContrastiveOutput(
-            loss=loss, logits=logits, labels=labels, embeddings=embeddings, keys=keys,
+            loss=loss, logits=logits, labels=labels, embeddings=embeddings, queue_keys=keys,
             num_negatives=negatives.shape[0],
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from timm.layers import convert_sync_batchnorm
 
 from . import distributed
 from .backbone import build_encoder_and_head
@@ -25,6 +26,9 @@ class SimCLRModel(ContrastivePreTrainedModel):
     def __init__(self, config: SimCLRConfig):
         super().__init__(config)
         self.encoder, self.projector = build_encoder_and_head(config)
+        if config.sync_batch_norm:  # same parameter and buffer names: checkpoints are unaffected
+            self.encoder = convert_sync_batchnorm(self.encoder)
+            self.projector = convert_sync_batchnorm(self.projector)
         self.post_init()
 
     def forward(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,8 @@ class ContrastiveTrainingArguments(TrainingArguments):
     made on the fly by ``with_transform``), ``dataloader_drop_last=True`` (a short last batch would
     change the negative count and break cross-process gathers), ``ddp_broadcast_buffers=False``
     (every process keeps an identical queue by enqueuing gathered keys; broadcasting 32 MiB of queue
-    each step would be waste), ``logging_steps=10``, ``save_safetensors`` only.
+    each step would be waste), ``ddp_find_unused_parameters=False`` (every query parameter gets a
+    gradient; the key side is frozen), ``logging_steps=10``, ``save_safetensors`` only.
 
     Args:
         collapse_warning: warn when the loss sits at the no-signal value ``ln(K + 1)`` or the
@@ -37,6 +39,8 @@ class ContrastiveTrainingArguments(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep pixel_values_2 (made by with_transform)."})
     dataloader_drop_last: bool = field(default=True, metadata={"help": "Constant batch size: constant negatives."})
     ddp_broadcast_buffers: bool = field(default=False, metadata={"help": "Queues stay equal by gathering keys."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "Every query parameter is used; the key side has no gradient."})
     logging_steps: float = field(default=10, metadata={"help": "Log contrastive metrics every N steps."})
     collapse_warning: bool = field(default=True, metadata={"help": "Warn on the collapse / no-signal signature."})
 
@@ -76,6 +80,15 @@ class ContrastiveTrainer(Trainer):
         args = args if args is not None else ContrastiveTrainingArguments()
         if not isinstance(model, (MoCoModel, SimCLRModel)):
             raise ValueError(f"ContrastiveTrainer needs a MoCoModel or SimCLRModel, got {type(model).__name__}")
+        sharded = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or os.environ.get(
+            "ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        if args.fsdp or args.deepspeed or sharded:
+            raise ValueError(
+                "ContrastiveTrainer does not support FSDP or DeepSpeed (fsdp="
+                f"{args.fsdp!r}, deepspeed={args.deepspeed!r}): MoCo's key encoder EMA needs the full query weights "
+                "next to the key weights on every process, and the queue must stay identical across processes. "
+                "Use DDP (plain torchrun / accelerate launch), which is what the default arguments give."
+            )
         super().__init__(model=model, args=args, **kwargs)
         self.is_moco = isinstance(model, MoCoModel)
         self.momentum_callback = MomentumCallback() if self.is_moco else None
@@ -83,6 +96,12 @@ class ContrastiveTrainer(Trainer):
             self.add_callback(self.momentum_callback)
         self.contrastive_metrics = ContrastiveMetrics(model.config.temperature)
         self._collapse_windows = 0
+        if not self.is_moco and args.world_size > 1 and not model.config.gather_distributed:
+            logger.warning(
+                f"gather_distributed=False on {args.world_size} processes: each anchor sees only its own device's "
+                f"{2 * args.per_device_train_batch_size - 2} negatives, not the "
+                f"{2 * args.per_device_train_batch_size * args.world_size - 2} of the global batch."
+            )
         if not self.is_moco and args.gradient_accumulation_steps > 1:
             logger.warning(
                 f"gradient_accumulation_steps={args.gradient_accumulation_steps} does not add negatives: "
@@ -115,8 +134,8 @@ class ContrastiveTrainer(Trainer):
         outputs = model(pixel_values=inputs["pixel_values"], pixel_values_2=inputs["pixel_values_2"])
         if model.training:
             unwrapped = self.accelerator.unwrap_model(model)
-            if outputs.keys is not None:
-                unwrapped.enqueue(distributed.gather_no_grad(outputs.keys))  # after the loss used the queue
+            if outputs.queue_keys is not None:
+                unwrapped.enqueue(distributed.gather_no_grad(outputs.queue_keys))  # after the loss used the queue
                 self._notify_enqueue(unwrapped, inputs, outputs)
             self.contrastive_metrics.update(outputs)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
@@ -131,10 +150,10 @@ class ContrastiveTrainer(Trainer):
         if not listeners:
             return
         key_images = inputs["pixel_values_2"]
-        if outputs.keys.shape[0] != key_images.shape[0]:  # symmetric: keys of view 2, then of view 1
+        if outputs.queue_keys.shape[0] != key_images.shape[0]:  # symmetric: keys of view 2, then of view 1
             key_images = torch.cat([inputs["pixel_values_2"], inputs["pixel_values"]])
         for cb in listeners:
-            cb.on_enqueue(model=model, key_pixel_values=key_images, keys=outputs.keys, state=self.state)
+            cb.on_enqueue(model=model, key_pixel_values=key_images, keys=outputs.queue_keys, state=self.state)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.contrastive_metrics.count:  # a training log, not eval

@@ -34,7 +34,7 @@ def test_moco_forward_matches_paper_pseudocode_and_does_not_touch_queue():
     queue_before = m.queue.clone()
     out = m(x1, x2)
     assert torch.equal(m.queue, queue_before) and int(m.queue_ptr) == 6  # forward never mutates the queue
-    assert out.num_negatives == 6 and out.logits.shape == (4, 7) and out.keys.shape == (4, 16)
+    assert out.num_negatives == 6 and out.logits.shape == (4, 7) and out.queue_keys.shape == (4, 16)
     # MoCo Algorithm 1 on the same weights (BN in train mode on both sides)
     q = F.normalize(m.projector(m.encoder(x1)), dim=1)
     with torch.no_grad():
@@ -53,7 +53,7 @@ def test_moco_enqueue_after_backward_is_safe_and_fifo():
     x1, x2 = views(3)
     for _step in range(3):
         out = m(x1, x2)
-        m.enqueue(out.keys)  # in place write after the loss used the queue
+        m.enqueue(out.queue_keys)  # in place write after the loss used the queue
         out.loss.backward()  # would raise if the logits had used the live queue
     assert int(m.queue_filled) == 5 and int(m.queue_ptr) == 9 % 5
 
@@ -61,7 +61,7 @@ def test_moco_enqueue_after_backward_is_safe_and_fifo():
 def test_moco_symmetric_loss_uses_both_views():
     m = moco(symmetric_loss=True)
     out = m(*views())
-    assert out.logits.shape[0] == 8 and out.keys.shape == (8, 16)
+    assert out.logits.shape[0] == 8 and out.queue_keys.shape == (8, 16)
 
 
 def test_momentum_update_on_model_is_exact_and_skips_buffers():
@@ -88,7 +88,7 @@ def test_simclr_forward_counts_negatives():
 def test_save_load_round_trip_every_tensor(tmp_path):
     m = moco()
     out = m(*views())
-    m.enqueue(out.keys)
+    m.enqueue(out.queue_keys)
     m.momentum_update(0.5)
     m.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
@@ -141,3 +141,16 @@ def test_bad_config_raises_value_error_naming_field(kwargs, field):
 def test_unknown_backbone_suggests_close_names():
     with pytest.raises(ValueError, match="resnet18"):
         SimCLRConfig(backbone="resnet81")
+
+
+def test_simclr_sync_batch_norm_keeps_checkpoint_names():
+    torch.manual_seed(0)
+    plain = SimCLRModel(SimCLRConfig(backbone="test_resnet", **TINY))
+    torch.manual_seed(0)
+    synced = SimCLRModel(SimCLRConfig(backbone="test_resnet", sync_batch_norm=True, **TINY))
+    assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules())
+    assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in plain.modules())
+    assert plain.state_dict().keys() == synced.state_dict().keys()
+    x1, x2 = views()
+    # one process: SyncBatchNorm is plain BatchNorm, so the loss is the same
+    assert synced(x1, x2).loss.item() == pytest.approx(plain(x1, x2).loss.item(), rel=1e-6)

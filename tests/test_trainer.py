@@ -119,3 +119,11 @@ def test_no_signal_is_detected_and_reported(tmp_path, caplog):
 def test_trainer_rejects_other_models(tmp_path):
     with pytest.raises(ValueError, match="MoCoModel or SimCLRModel"):
         ContrastiveTrainer(model=torch.nn.Linear(2, 2), args=args(tmp_path))
+
+
+def test_sharded_training_is_refused_with_a_reason(tmp_path, monkeypatch):
+    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=16, **TINY))
+    training_args = args(tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` with an FSDP config sets
+    with pytest.raises(ValueError, match="FSDP or DeepSpeed.*EMA"):
+        ContrastiveTrainer(model=model, args=training_args, train_dataset=tensor_dataset(16))

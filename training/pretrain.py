@@ -9,6 +9,10 @@ CPU cores) and prints the kNN top-1 of the pretrained encoder next to random ini
     python training/pretrain.py --dataset_name cifar10 --image_size 32
     python training/pretrain.py --train_dir path/to/images        # a local image folder
     torchrun --nproc_per_node 2 training/pretrain.py --use_cpu    # two processes
+    python training/pretrain.py --push_to_hub --hub_model_id ORG/NAME   # push the encoder export
+
+The trained encoder is exported to ``OUTPUT_DIR/encoder`` in timm's format with its model card;
+``--push_to_hub`` uploads that export (not the full checkpoint) to the repo root.
 
 Every field of the three dataclasses below is a command-line flag (``--help`` lists them).
 """
@@ -36,7 +40,9 @@ from hf_contrast import (
     SimCLRConfig,
     SimCLRModel,
     TwoViewAugmentation,
+    export_encoder,
     knn_accuracy,
+    push_encoder_to_hub,
 )
 from hf_contrast.data import (
     DIGITS_MEAN,
@@ -46,6 +52,7 @@ from hf_contrast.data import (
     eval_dataset,
     two_view_dataset,
 )
+from hf_contrast.hub import check_can_push
 
 logger = logging.getLogger("pretrain")
 
@@ -163,6 +170,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = HfArgumentParser((ModelArguments, DataArguments, ContrastiveTrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    # The Trainer's own push would upload the full checkpoint (and every saved checkpoint): we push
+    # only the encoder export, after training. Both checks fail fast, before any training.
+    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
+    export_dir = os.path.join(training_args.output_dir, "encoder")
+    if training_args.process_index == 0:
+        if os.path.isdir(export_dir) and os.listdir(export_dir):
+            raise ValueError(f"The encoder export directory {export_dir} is not empty (an earlier run?): pass another "
+                             "--output_dir or move that folder away.")
+        if push_to_hub:
+            check_can_push(training_args.hub_model_id, training_args.hub_token)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         handlers=[logging.StreamHandler(sys.stdout)])
     transformers.utils.logging.set_verbosity_warning()
@@ -205,7 +222,26 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print_report(results, final_dir, model)
         with open(os.path.join(training_args.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
+        export_and_push(trainer, export_dir, augmentation, results, data_args, name, test,
+                        training_args if push_to_hub else None)
     return results
+
+
+def export_and_push(trainer, export_dir, augmentation, results, data_args, name, test, push_args=None) -> None:
+    """Export the encoder (timm format + model card) to ``export_dir``; push it when ``push_args`` is given."""
+    baselines = {label: results[key] for key, label in (("knn_random_init", "same architecture at random init"),
+                                                        ("knn_raw_pixels", "raw pixels")) if key in results}
+    export_encoder(
+        trainer, export_dir, augmentation=augmentation, knn_top1=results.get("knn_pretrained"), knn_baselines=baselines,
+        knn_details=f"k={data_args.knn_k}, t=0.1, on {len(test)} held-out images" if "knn_pretrained" in results else None,
+        datasets=[data_args.dataset_name] if data_args.dataset_name else [], dataset_description=name,
+        repo_id=push_args.hub_model_id if push_args is not None else None,
+    )
+    print(f"Encoder export (timm format, loads without hf_contrast): {os.path.abspath(export_dir)}")
+    if push_args is not None:
+        info = push_encoder_to_hub(export_dir, push_args.hub_model_id, token=push_args.hub_token,
+                                   private=push_args.hub_private_repo)
+        print(f"Pushed to {info.commit_url}")
 
 
 def print_report(results: dict[str, float], final_dir: str, model) -> None:

@@ -1,0 +1,308 @@
+"""The model card of an exported encoder: the facts as data (:class:`EncoderCardData`), a Jinja
+template in ``model_cards/`` for the prose, and a plot of the training curves.
+
+The card states what most contrastive checkpoints leave out: how many negatives each anchor was
+trained against and where they came from (the per-device batch, the number of processes, whether
+SimCLR gathered the views of all processes, the size of MoCo's queue), and that gradient
+accumulation added none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+logger = logging.getLogger(__name__)
+
+TEMPLATE_NAME = "encoder_card.md.jinja"
+CURVES_FILENAME = "training_curves.png"
+METHOD_NAMES = {"hf_contrast_moco": "MoCo", "hf_contrast_simclr": "SimCLR"}
+_CURVE_KEYS = (("loss", "contrastive loss"), ("contrastive_top1", "contrastive top-1"), ("knn_top1", "kNN top-1"))
+
+
+def default_template_path() -> Path:
+    """``model_cards/encoder_card.md.jinja`` of the source tree (the package is installed editable)."""
+    path = Path(__file__).resolve().parent.parent / "model_cards" / TEMPLATE_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"The model card template {path} is missing: install hf_contrast from its source tree "
+            "(`pip install -e .`) or pass template_path= to EncoderCardData.to_model_card."
+        )
+    return path
+
+
+def negatives_per_anchor(config, per_device_batch_size: int | None, world_size: int = 1) -> int | None:
+    """Negatives each anchor is contrasted with (MoCo: once the queue is full).
+
+    MoCo: ``queue_size``, whatever the batch. SimCLR: ``2 * N * W - 2`` when the views of all ``W``
+    processes are gathered (``config.gather_distributed``), else ``2 * N - 2``, for a per-device
+    batch of ``N`` images. Gradient accumulation does not enter: the loss is computed inside each
+    micro-batch. ``None`` for SimCLR when the batch size is unknown.
+    """
+    if config.model_type == "hf_contrast_moco":
+        return config.queue_size
+    if per_device_batch_size is None:
+        return None
+    world = world_size if config.gather_distributed else 1
+    return 2 * per_device_batch_size * world - 2
+
+
+def describe_augmentation(augmentation) -> str:
+    """One line describing a :class:`~hf_contrast.TwoViewAugmentation` (any other object: its ``str``)."""
+    if augmentation is None:
+        return "not recorded"
+    if not hasattr(augmentation, "crop_scale"):
+        return str(augmentation)
+    a = augmentation
+    s = a.jitter_strength
+    parts = [f"random resized crop to {a.image_size} px, scale {tuple(a.crop_scale)}"]
+    parts.append(f"colour jitter ({s}, {s}, {s}, {s / 4:g}) p={a.jitter_p}" if a.jitter_p and s else "no colour jitter")
+    parts.append(f"grayscale p={a.grayscale_p}" if a.grayscale_p else "no grayscale")
+    parts.append(f"Gaussian blur p={a.blur_p}" if a.blur_p else "no blur")
+    parts.append(f"horizontal flip p={a.flip_p}" if a.flip_p else "no flip")
+    return ", ".join(parts)
+
+
+@dataclass
+class EncoderCardData:
+    """Everything the model card of an exported encoder states, filled from a trainer
+    (:meth:`from_trainer`), from a model (:meth:`from_model`) or given explicitly.
+
+    Args:
+        method: ``"MoCo"`` or ``"SimCLR"``.
+        backbone: the timm architecture.
+        num_features: size of the pooled features the encoder returns.
+        num_parameters: parameters of the exported encoder.
+        image_size: side of the training crops.
+        mean, std: per-channel normalisation used in training (recorded in ``pretrained_cfg``).
+        temperature: softmax temperature of the contrastive loss.
+        projection: the projection head used in pretraining (not exported).
+        per_device_batch_size: images per device per micro-batch (N).
+        world_size: number of processes (W).
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        gather_distributed: SimCLR: views gathered from all processes.
+        queue_size, momentum, momentum_schedule, symmetric_loss: MoCo's queue and key encoder.
+        negatives: negatives per anchor; computed from the fields above when ``None``.
+        augmentations: description of the two-view augmentation.
+        steps, epochs: optimizer steps and epochs trained.
+        knn_top1: kNN top-1 of the exported encoder (default: the last ``knn_top1`` in ``log_history``).
+        knn_details: how the kNN result was measured (k, temperature, splits).
+        knn_baselines: other kNN results to show next to it, e.g. ``{"random init": 0.7}``.
+        datasets: Hub dataset ids trained on (YAML ``datasets``).
+        dataset_description: the training data in words.
+        repo_id: the Hub repo, used in the loading snippets.
+        license: YAML ``license``.
+        log_history: ``trainer.state.log_history``, plotted as the training curves.
+    """
+
+    method: str
+    backbone: str
+    num_features: int | None = None
+    num_parameters: int | None = None
+    image_size: int | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    temperature: float | None = None
+    projection: str | None = None
+    per_device_batch_size: int | None = None
+    world_size: int = 1
+    gradient_accumulation_steps: int = 1
+    gather_distributed: bool | None = None
+    queue_size: int | None = None
+    momentum: float | None = None
+    momentum_schedule: str | None = None
+    symmetric_loss: bool | None = None
+    negatives: int | None = None
+    augmentations: str | None = None
+    steps: int | None = None
+    epochs: float | None = None
+    knn_top1: float | None = None
+    knn_details: str | None = None
+    knn_baselines: dict[str, float] = field(default_factory=dict)
+    datasets: list[str] = field(default_factory=list)
+    dataset_description: str | None = None
+    repo_id: str | None = None
+    license: str = "apache-2.0"
+    log_history: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        if self.knn_top1 is None:
+            self.knn_top1 = next((h["knn_top1"] for h in reversed(self.log_history) if "knn_top1" in h), None)
+
+    @classmethod
+    def from_model(cls, model, augmentation=None, **overrides) -> EncoderCardData:
+        """Card data from a :class:`~hf_contrast.MoCoModel` / :class:`~hf_contrast.SimCLRModel` alone
+        (batch, steps and curves stay unknown unless given in ``overrides``).
+
+        Args:
+            augmentation: the :class:`~hf_contrast.TwoViewAugmentation` used in training; gives the
+                normalisation, crop size and augmentation description.
+            overrides: any field of :class:`EncoderCardData`.
+        """
+        cfg = model.config
+        moco = cfg.model_type == "hf_contrast_moco"
+        head = f"{cfg.projection_layers}-layer MLP {cfg.projection_hidden_dim}-{cfg.projection_dim}"
+        head += ", BatchNorm" if cfg.projection_batch_norm else ""
+        head += ", output BatchNorm" if cfg.projection_output_batch_norm else ""
+        fields = dict(
+            method=METHOD_NAMES.get(cfg.model_type, cfg.model_type),
+            backbone=cfg.backbone.split(".", 1)[0],
+            num_features=model.encoder.num_features,
+            num_parameters=sum(p.numel() for p in model.encoder.parameters()),
+            image_size=cfg.image_size,
+            mean=getattr(cfg, "image_mean", None),
+            std=getattr(cfg, "image_std", None),
+            temperature=cfg.temperature,
+            projection=head,
+            gather_distributed=None if moco else cfg.gather_distributed,
+            queue_size=cfg.queue_size if moco else None,
+            momentum=cfg.momentum if moco else None,
+            momentum_schedule=cfg.momentum_schedule if moco else None,
+            symmetric_loss=cfg.symmetric_loss if moco else None,
+        )
+        if augmentation is not None:
+            fields.update(mean=tuple(augmentation.mean), std=tuple(augmentation.std),
+                          image_size=augmentation.image_size, augmentations=describe_augmentation(augmentation))
+        fields.update(overrides)
+        card = cls(**fields)
+        if card.negatives is None:
+            card.negatives = negatives_per_anchor(cfg, card.per_device_batch_size, card.world_size)
+        return card
+
+    @classmethod
+    def from_trainer(cls, trainer, augmentation=None, **overrides) -> EncoderCardData:
+        """Card data from a :class:`~hf_contrast.ContrastiveTrainer` (after ``train()``): the batch,
+        world size and accumulation from ``trainer.args``, steps, epochs and curves from
+        ``trainer.state``, the negatives from ``trainer.negatives_per_anchor()``."""
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        args, state = trainer.args, trainer.state
+        fields = dict(
+            per_device_batch_size=args.per_device_train_batch_size,
+            world_size=args.world_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            steps=state.global_step,
+            epochs=state.epoch,
+            log_history=list(state.log_history),
+        )
+        if hasattr(trainer, "negatives_per_anchor"):
+            fields["negatives"] = trainer.negatives_per_anchor()
+        return cls.from_model(model, augmentation, **{**fields, **overrides})
+
+    @property
+    def is_moco(self) -> bool:
+        return self.method.lower() == "moco"
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Images per optimizer step: per-device batch x world size x accumulation."""
+        if self.per_device_batch_size is None:
+            return None
+        return self.per_device_batch_size * self.world_size * self.gradient_accumulation_steps
+
+    @property
+    def negatives_explanation(self) -> str:
+        """How the negatives of one anchor arise, in one paragraph."""
+        n, w, k = self.per_device_batch_size, self.world_size, self.negatives
+        if self.is_moco:
+            per_step = None if n is None else n * w * (2 if self.symmetric_loss else 1)
+            text = (f"Each query has 1 positive (the key of its other view) and **{k} negatives**: the keys of "
+                    f"earlier batches held in MoCo's FIFO queue (`queue_size={self.queue_size}`), computed by the "
+                    "momentum key encoder. The count does not depend on the batch size.")
+            if per_step and per_step < self.queue_size:
+                text += (f" Each micro-batch enqueues {per_step} keys (gathered from {w} process(es)), so the "
+                         f"queue spans the last {math.ceil(self.queue_size / per_step)} micro-batches.")
+            elif per_step:
+                text += (f" Each micro-batch enqueues {per_step} keys (gathered from {w} process(es)), more than the "
+                         "queue holds: it keeps only the newest of them.")
+            return text
+        if n is None:
+            return "The per-device batch size was not recorded, so the number of negatives is unknown."
+        if self.gather_distributed:
+            return (f"Each anchor has 1 positive and **{k} negatives = 2·N·W − 2** with N = {n} images per device "
+                    f"and W = {w} process(es): the other views of the global batch, gathered from every process "
+                    "with gradient (`gather_distributed=True`).")
+        text = (f"Each anchor has 1 positive and **{k} negatives = 2·N − 2** with N = {n} images per device: "
+                "only the views of its own device's batch (`gather_distributed=False`).")
+        if w > 1:
+            text += f" The views on the other {w - 1} process(es) were not used as negatives."
+        return text
+
+    @property
+    def accumulation_note(self) -> str:
+        g = self.gradient_accumulation_steps
+        return (f"Gradient accumulation: {g} micro-batch(es) per optimizer step. Accumulation averages gradients "
+                "over more images but adds no negatives: the loss is computed inside each micro-batch.")
+
+    def final_metrics(self) -> dict[str, float]:
+        """The last logged value of each curve (``loss``, ``contrastive_top1``, ``knn_top1``)."""
+        out = {}
+        for key, _ in _CURVE_KEYS:
+            value = next((h[key] for h in reversed(self.log_history) if key in h), None)
+            if value is not None:
+                out[key] = value
+        return out
+
+    def to_model_card_data(self) -> ModelCardData:
+        """The YAML header: ``library_name: timm``, ``pipeline_tag: image-feature-extraction``, tags."""
+        tags = ["timm", "hf_contrast", "self-supervised", "contrastive-learning", self.method.lower(), self.backbone]
+        return ModelCardData(
+            library_name="timm", pipeline_tag="image-feature-extraction", license=self.license,
+            tags=tags, datasets=list(self.datasets) or None,
+        )
+
+    def to_model_card(self, template_path: str | Path | None = None, curves_file: str | None = None) -> ModelCard:
+        """Render the Jinja template with this data.
+
+        Args:
+            template_path: a Jinja template; default ``model_cards/encoder_card.md.jinja``.
+            curves_file: file name of the training-curve plot next to the card, if one was written.
+        """
+        template_path = template_path or default_template_path()
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "log_history"}
+        return ModelCard.from_template(
+            self.to_model_card_data(), template_path=str(template_path),
+            card=values, global_batch_size=self.global_batch_size, negatives_explanation=self.negatives_explanation,
+            accumulation_note=self.accumulation_note, final_metrics=self.final_metrics(), curves_file=curves_file,
+            load_name=self.repo_id,
+        )
+
+
+def plot_training_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path | None:
+    """Plot loss, contrastive top-1 and (if logged) kNN top-1 against the optimizer step into ``path``.
+
+    Returns:
+        ``path``, or ``None`` when nothing was logged or matplotlib is not installed.
+    """
+    panels = []
+    for key, label in _CURVE_KEYS:
+        points = [(h["step"], h[key]) for h in log_history if key in h and "step" in h]
+        if points:
+            panels.append((label, points))
+    if not panels:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: the model card has no training-curve plot (pip install matplotlib)")
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3), squeeze=False)
+    for ax, (label, points) in zip(axes[0], panels, strict=True):
+        steps, values = zip(*points, strict=True)
+        ax.plot(steps, values, marker="." if len(points) < 30 else None)
+        ax.set_title(label)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

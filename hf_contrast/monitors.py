@@ -1,0 +1,338 @@
+"""Training-time monitors: ``TrainerCallback`` s that measure every N optimizer steps and log through
+the trainer, so their values land in ``trainer.state.log_history`` and every reporting integration.
+
+* :class:`KNNMonitor`: kNN top-1 of the encoder on a labelled held-out split (key ``knn_top1``).
+* :class:`QueueConsistencyMonitor` (MoCo): how well the queued keys agree with today's key encoder,
+  by age, and the key encoder's drift from the query encoder.
+* :class:`RepresentationMonitor`: alignment, uniformity and spread of held-out embeddings.
+
+Use::
+
+    trainer = ContrastiveTrainer(model=model, args=args, train_dataset=train)
+    KNNMonitor(eval_train, eval_test, every_n_steps=100).attach(trainer)
+    QueueConsistencyMonitor(every_n_steps=100).attach(trainer)
+    trainer.train()
+
+No monitor perturbs training: each one runs under ``torch.no_grad``, restores the model's train/eval
+mode, and restores the random number generator state, so a run gives the same weights with or
+without monitors. Each keeps the wall time it spent in ``seconds``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import TrainerCallback
+
+from . import distributed
+from .backbone import embedding_std
+from .diagnostics import alignment, key_consistency, parameter_drift, uniformity
+from .evaluation import extract_features, knn_top1
+
+
+def _check_positive_int(value, field: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field}={value!r} is invalid: {field} must be an integer >= 1")
+
+
+def _preserved_rng(device: torch.device):
+    """Restore the global (and this CUDA device's) RNG state on exit: monitors must not change the
+    random stream the training's augmentations and shuffles draw from."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+class TrainingMonitor(TrainerCallback):
+    """Base of the monitors: measures every ``every_n_steps`` optimizer steps and at the last step,
+    and logs through the trainer given to :meth:`attach`.
+
+    Subclasses implement :meth:`measure`, returning the values to log (or ``None`` to log nothing).
+
+    Attributes:
+        history: every dict this monitor logged, with its ``step``.
+        seconds: wall time spent measuring (and, for the queue monitor, storing samples).
+    """
+
+    main_process_only = True  # measure and log on process 0 only (no collectives in measure)
+
+    def __init__(self, every_n_steps: int = 100):
+        _check_positive_int(every_n_steps, "every_n_steps")
+        self.every_n_steps = every_n_steps
+        self.trainer = None
+        self.history: list[dict[str, float]] = []
+        self.seconds = 0.0
+
+    def attach(self, trainer):
+        """Register this monitor as a callback of ``trainer`` and log through it. Returns ``self``."""
+        self.trainer = trainer
+        trainer.add_callback(self)
+        return self
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            raise ValueError(f"{type(self).__name__} has no trainer to log through: "
+                             f"use {type(self).__name__}(...).attach(trainer) instead of trainer.add_callback")
+
+    def is_due(self, state) -> bool:
+        """Whether optimizer step ``state.global_step`` (1-based after ``on_step_end``) is measured."""
+        step = state.global_step
+        return step > 0 and (step % self.every_n_steps == 0 or step == state.max_steps)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if not self.is_due(state) or (self.main_process_only and not state.is_world_process_zero):
+            return
+        start = time.perf_counter()
+        values = self.measure(model, state)
+        self.seconds += time.perf_counter() - start
+        if values:
+            self.history.append({**values, "step": state.global_step})
+            self.trainer.log(dict(values))
+
+    def measure(self, model, state) -> dict[str, float] | None:
+        raise NotImplementedError
+
+
+class KNNMonitor(TrainingMonitor):
+    """Weighted kNN top-1 (k=200, t=0.1: MoCo's CIFAR monitor) of the model's ``encoder`` on a held-out
+    split, logged as ``knn_top1``.
+
+    Features of both splits are extracted with the encoder in eval mode (its mode is restored after),
+    on the main process only. The logged value equals
+    ``knn_accuracy(model.encoder, train_dataset, test_dataset, k, temperature)`` at that step.
+
+    Args:
+        train_dataset: labelled memory bank; items hold ``pixel_values`` and ``labels``
+            (e.g. :func:`hf_contrast.data.eval_dataset` of the training split).
+        test_dataset: labelled held-out split, same format.
+        every_n_steps: optimizer steps between evaluations (the last step is always evaluated).
+        k: neighbours that vote.
+        temperature: vote weights ``exp(cos / temperature)``.
+        batch_size: images per forward.
+        cache_inputs: transform both datasets once and keep the pixel tensors in memory
+            (``N * C * H * W * 4`` bytes: 61 MB for the 5,000 digits at 32 px), so later
+            evaluations cost only the forward passes.
+    """
+
+    def __init__(self, train_dataset, test_dataset, every_n_steps: int = 100, k: int = 200,
+                 temperature: float = 0.1, batch_size: int = 256, cache_inputs: bool = False):
+        super().__init__(every_n_steps)
+        _check_positive_int(k, "k")
+        _check_positive_int(batch_size, "batch_size")
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature!r} is invalid: temperature must be > 0 (0.1 is usual)")
+        self.datasets = [train_dataset, test_dataset]
+        self.k, self.temperature, self.batch_size = k, temperature, batch_size
+        self.cache_inputs = cache_inputs
+
+    def measure(self, model, state) -> dict[str, float]:
+        with _preserved_rng(_device_of(model)), torch.no_grad():  # a DataLoader draws a seed from the RNG
+            if self.cache_inputs and not isinstance(self.datasets[0], list):
+                self.datasets = [_materialise(ds, self.batch_size) for ds in self.datasets]
+            train = extract_features(model.encoder, self.datasets[0], self.batch_size)  # restores train mode
+            test = extract_features(model.encoder, self.datasets[1], self.batch_size)
+        return {"knn_top1": knn_top1(*train, *test, k=self.k, temperature=self.temperature)}
+
+
+def _materialise(dataset, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Every item of ``dataset`` as a dict of tensors, transformed once."""
+    items = []
+    for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False):
+        labels = torch.as_tensor(batch["labels"])
+        items += [{"pixel_values": x, "labels": y} for x, y in zip(batch["pixel_values"], labels, strict=True)]
+    return items
+
+
+class RepresentationMonitor(TrainingMonitor):
+    """Health of the embedding distribution on fixed held-out pairs of views (Wang & Isola 2020):
+    ``alignment`` (``E||z1 - z2||^2`` over positive pairs; lower is better), ``uniformity``
+    (``log E exp(-2||z_i - z_j||^2)`` over all pairs, averaged over the two views; lower is more
+    uniform, 0 is total collapse) and ``heldout_embedding_std`` (mean per-dimension std of the
+    normalised embeddings: about ``1/sqrt(D)`` when healthy, near 0 on collapse).
+
+    ``z`` is the projection head's output, the space the loss compares, computed in eval mode on
+    the main process. The views are drawn once, with a fixed seed, so the values are comparable
+    across steps.
+
+    Args:
+        dataset: items hold ``pixel_values`` and ``pixel_values_2`` (e.g.
+            :func:`hf_contrast.data.two_view_dataset` of a held-out split).
+        every_n_steps: optimizer steps between measurements.
+        num_samples: pairs of views used (the first ``num_samples`` items).
+        seed: seed of the views' augmentation.
+        batch_size: images per forward.
+    """
+
+    def __init__(self, dataset, every_n_steps: int = 100, num_samples: int = 512, seed: int = 0,
+                 batch_size: int = 256):
+        super().__init__(every_n_steps)
+        _check_positive_int(num_samples, "num_samples")
+        _check_positive_int(batch_size, "batch_size")
+        if num_samples < 2:
+            raise ValueError(f"num_samples={num_samples!r} is invalid: uniformity needs num_samples >= 2")
+        self.dataset, self.num_samples, self.seed, self.batch_size = dataset, num_samples, seed, batch_size
+        self.views: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _draw_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        v1, v2 = [], []
+        torch.manual_seed(self.seed)  # inside _preserved_rng: the training's RNG is restored afterwards
+        for batch in DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False):
+            v1.append(batch["pixel_values"])
+            v2.append(batch["pixel_values_2"])
+            if sum(len(v) for v in v1) >= self.num_samples:
+                break
+        n = self.num_samples
+        return torch.cat(v1)[:n], torch.cat(v2)[:n]  # (N, C, H, W) each
+
+    def measure(self, model, state) -> dict[str, float]:
+        device = _device_of(model)
+        was_training = model.training
+        with _preserved_rng(device), torch.no_grad():
+            if self.views is None:
+                self.views = self._draw_views()
+            model.eval()
+            try:
+                z1, z2 = (torch.cat([model.projector(model.encoder(c.to(device))).float().cpu()  # (N, D)
+                                     for c in v.split(self.batch_size)]) for v in self.views)
+            finally:
+                model.train(was_training)
+        return {
+            "alignment": round(alignment(z1, z2), 4),
+            "uniformity": round((uniformity(z1) + uniformity(z2)) / 2, 4),
+            "heldout_embedding_std": round(embedding_std(z1), 5),
+        }
+
+
+class QueueConsistencyMonitor(TrainingMonitor):
+    """MoCo's queue consistency, measured: re-encode inputs whose keys sit in the queue with the
+    current key encoder and compare.
+
+    Every ``every_n_steps`` optimizer steps it logs, for each age ``a`` in ``ages`` (key-encoder
+    updates since the key was made, newest first), ``queue_consistency_age{a}``: the mean cosine
+    between the keys enqueued ``a`` steps ago and the same images re-encoded now; their mean
+    ``queue_consistency``; and ``key_drift``, ``||theta_k - theta_q|| / ||theta_q||``.
+
+    Which images, and which BatchNorm statistics. A key made in training mode is normalised with the
+    statistics of the batch it was computed in (MoCo's key encoder runs in train mode). Re-encoding
+    a few sampled images, in either mode, would compare keys normalised by different statistics and
+    read as inconsistency even with unchanged weights. So the monitor keeps, through the trainer's
+    ``on_enqueue`` hook, the whole key mini-batch (images and keys, on the CPU) of exactly the steps
+    whose age will be measured, and re-encodes each one as one batch through the model's own key
+    path, in the model's current (training) mode. BatchNorm running statistics and the RNG are
+    restored afterwards. The result is exact: 1.0 for an unchanged key encoder, with a BatchNorm or a
+    LayerNorm backbone, when BatchNorm sees the whole key batch (``key_bn_splits=1``, or
+    ``shuffle_bn=False``, or one process with a LayerNorm-only model). With ``key_bn_splits > 1`` (or
+    shuffle-BN across processes) every re-encoding draws a fresh random split, so an unchanged
+    encoder scores a little below 1: that floor is the noise the sub-batch statistics add to every key.
+
+    Memory: at most ``len(ages) * ceil(max(ages) / every_n_steps + 1)`` stored key batches (inputs on the
+    CPU); ``max_rows`` keeps only the first rows of each batch (exact for LayerNorm models,
+    approximate for BatchNorm ones, whose statistics then come from fewer images).
+    Cost: one key-encoder forward per age per measurement.
+
+    Args:
+        every_n_steps: optimizer steps between measurements (the last step is always measured).
+        ages: key ages to measure, in optimizer steps, each >= 1. Default: ``num_ages`` ages spread
+            evenly from 1 (the newest keys) to the queue's span, ``ceil(queue_size / keys per step)``
+            (the oldest keys still in the queue).
+        num_ages: how many default ages.
+        max_rows: keep at most this many rows of each stored key batch (per view with
+            ``symmetric_loss``); ``None`` keeps the whole batch.
+    """
+
+    main_process_only = False  # the key path may shuffle across processes: every process measures
+
+    def __init__(self, every_n_steps: int = 100, ages: Sequence[int] | None = None, num_ages: int = 4,
+                 max_rows: int | None = None):
+        super().__init__(every_n_steps)
+        _check_positive_int(num_ages, "num_ages")
+        if max_rows is not None:
+            _check_positive_int(max_rows, "max_rows")
+        if ages is not None:
+            if not ages:
+                raise ValueError("ages=[] is invalid: ages must hold at least one age (>= 1)")
+            for a in ages:
+                _check_positive_int(a, "ages")
+            ages = sorted(set(ages))
+        self.ages, self.num_ages, self.max_rows = ages, num_ages, max_rows
+        self.records: dict[int, dict] = {}  # enqueue step -> {"images", "keys", "groups"}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if not hasattr(model, "queue"):
+            raise ValueError(f"QueueConsistencyMonitor needs a MoCoModel, got {type(model).__name__}")
+        if self.ages is None:
+            self.ages = default_ages(model.config, args, self.num_ages)
+        self.records.clear()
+
+    def _wanted(self, step: int, state) -> bool:
+        """Whether the keys of optimizer step ``step`` (0-based) will be measured at some age."""
+        return any((step + a) % self.every_n_steps == 0 or step + a == state.max_steps for a in self.ages)
+
+    def on_enqueue(self, model, key_pixel_values: torch.Tensor, keys: torch.Tensor, state) -> None:
+        """Store this step's key batch if one of its future ages will be measured (called by the trainer)."""
+        step = state.global_step  # the 0-based index of the optimizer step in progress
+        if self.ages is None or step in self.records or not self._wanted(step, state):
+            return  # also: only the first micro-batch of an accumulation window
+        start = time.perf_counter()
+        groups = 2 if model.config.symmetric_loss else 1  # symmetric: keys of view 2, then of view 1
+        images = torch.cat([c[: self.max_rows] for c in key_pixel_values.detach().chunk(groups)])  # (B', C, H, W)
+        stored = torch.cat([c[: self.max_rows] for c in keys.detach().float().chunk(groups)])  # (B', D)
+        self.records[step] = {"images": images.to("cpu", copy=True), "keys": stored.to("cpu", copy=True),
+                              "groups": groups}
+        self.seconds += time.perf_counter() - start
+
+    def measure(self, model, state) -> dict[str, float]:
+        now = state.global_step  # steps taken; the newest keys (step now - 1) have seen 1 EMA update
+        device = _device_of(model)
+        names, values = [], []
+        for age in self.ages:
+            record = self.records.get(now - age)
+            if record is not None:
+                fresh = reencode_keys(model, record["images"].to(device), record["groups"])  # (B', D)
+                names.append(f"queue_consistency_age{age}")
+                values.append(key_consistency(record["keys"], fresh))
+        for step in [s for s in self.records if now - s >= max(self.ages)]:
+            del self.records[step]  # as old as the oldest age measured: never needed again
+        drift = parameter_drift(model.key_parameters(), model.query_parameters())
+        stats = torch.tensor([*values, drift], device=device)
+        stats = distributed.gather_no_grad(stats.unsqueeze(0)).mean(0).tolist()  # average over processes
+        logs = {name: round(v, 5) for name, v in zip(names, stats, strict=False)}
+        if values:
+            logs["queue_consistency"] = round(sum(stats[:-1]) / len(values), 5)
+        logs["key_drift"] = float(f"{stats[-1]:.4g}")
+        return logs
+
+
+def default_ages(config, args, num_ages: int = 4) -> list[int]:
+    """``num_ages`` key ages spread evenly from 1 to the queue's span in optimizer steps,
+    ``ceil(queue_size / keys enqueued per optimizer step)``: the newest to the oldest keys in the queue."""
+    keys_per_step = (args.per_device_train_batch_size * distributed.world_size() * args.gradient_accumulation_steps
+                     * (2 if config.symmetric_loss else 1))
+    span = max(1, math.ceil(config.queue_size / keys_per_step))
+    if num_ages == 1:
+        return [span]
+    return sorted({round(1 + i * (span - 1) / (num_ages - 1)) for i in range(num_ages)})
+
+
+@torch.no_grad()
+def reencode_keys(model, images: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """Keys ``(B, D)`` of a stored key batch ``(B, C, H, W)`` from the current key encoder, computed as
+    the model computes keys in training (same mode, same BatchNorm batching, each of the ``groups``
+    chunks as its own batch), leaving the key side's BatchNorm running statistics and the RNG as
+    they were."""
+    buffers = [*model.key_encoder.buffers(), *model.key_projector.buffers()]
+    saved = [b.clone() for b in buffers]
+    try:
+        with _preserved_rng(images.device):
+            # MoCoModel._key: the training key path (shuffle-BN, key_bn_splits), L2-normalised
+            return torch.cat([model._key(chunk) for chunk in images.chunk(groups)])
+    finally:
+        for b, s in zip(buffers, saved, strict=True):
+            b.copy_(s)
