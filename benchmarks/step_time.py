@@ -33,7 +33,7 @@ def supervised_step(model, head, opt, x, y):
 def moco_step(model, opt, x1, x2):
     out = model(x1, x2)
     out.loss.backward()
-    model.enqueue(out.keys)
+    model.enqueue(out.queue_keys)
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.momentum_update(0.99)

@@ -4,7 +4,7 @@ from transformers import AutoConfig, AutoModel
 
 from .backbone import ProjectionHead, create_backbone
 from .configuration import ContrastiveConfig, MoCoConfig, SimCLRConfig
-from .data import TwoViewAugmentation, eval_dataset, find_image_column, load_default_dataset, two_view_dataset
+from .data import TwoViewAugmentation, TwoViewDataset, eval_dataset, find_image_column, load_default_dataset, two_view_dataset
 from .diagnostics import alignment, key_consistency, parameter_drift, uniformity
 from .evaluation import extract_features, knn_accuracy, knn_top1
 from .export import export_encoder
@@ -12,12 +12,13 @@ from .hub import HubPushError, push_encoder_to_hub
 from .losses import info_nce_logits, info_nce_loss, nt_xent_logits, nt_xent_loss
 from .metrics import ContrastiveMetrics
 from .model_card import EncoderCardData
+from .checkpointing import CheckpointError, check_checkpoint, last_complete_checkpoint
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, enqueue_, momentum_at
 from .monitors import KNNMonitor, QueueConsistencyMonitor, RepresentationMonitor, TrainingMonitor
-from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback
+from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback, NonFiniteLossError
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
 AutoConfig.register(SimCLRConfig.model_type, SimCLRConfig, exist_ok=True)
@@ -27,6 +28,7 @@ AutoModel.register(SimCLRConfig, SimCLRModel, exist_ok=True)
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "ContrastiveConfig",
     "ContrastiveMetrics",
     "ContrastiveOutput",
@@ -39,6 +41,10 @@ __all__ = [
     "MoCoConfig",
     "MoCoModel",
     "MomentumCallback",
+    "NonFiniteLossError",
+    "TwoViewDataset",
+    "check_checkpoint",
+    "last_complete_checkpoint",
     "ProjectionHead",
     "QueueConsistencyMonitor",
     "RepresentationMonitor",

@@ -85,31 +85,38 @@ class TwoViewAugmentation:
         image = to_rgb(image)
         return self._pipeline(image), self._pipeline(image)
 
-    def batch(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, images: list, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Two views ``(B, 3, S, S)`` each of a list of images.
 
         Images of one size are augmented as one tensor with the batched ops of
         :mod:`hf_contrast.augment` (about 50x faster than PIL at 32 px); mixed sizes go through
-        the PIL pipeline one by one.
+        the PIL pipeline one by one. All randomness comes from ``generator`` when given (the PIL
+        path then runs under a forked global RNG seeded from it), so the global RNG is untouched.
         """
         rgb = [to_rgb(im) for im in images]
         if len({im.size for im in rgb}) > 1:
-            views = [self(im) for im in rgb]
+            if generator is None:
+                views = [self(im) for im in rgb]
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
+                    views = [self(im) for im in rgb]
             return torch.stack([v[0] for v in views]), torch.stack([v[1] for v in views])
         x = torch.from_numpy(np.stack([np.asarray(im) for im in rgb])).permute(0, 3, 1, 2).float() / 255  # (B, 3, H, W)
-        return self._tensor_view(x), self._tensor_view(x)
+        return self._tensor_view(x, generator), self._tensor_view(x, generator)
 
-    def _tensor_view(self, x: torch.Tensor) -> torch.Tensor:
+    def _tensor_view(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         n, _, h, w = x.shape
-        y = augment.resized_crops(x, augment.crop_boxes(n, h, w, tuple(self.crop_scale)), self.image_size)
+        g = generator
+        y = augment.resized_crops(x, augment.crop_boxes(n, h, w, tuple(self.crop_scale), generator=g), self.image_size)
         if self.jitter_p > 0 and self.jitter_strength > 0:
-            y = augment.color_jitter(y, self.jitter_strength, self.jitter_p)
+            y = augment.color_jitter(y, self.jitter_strength, self.jitter_p, generator=g)
         if self.grayscale_p > 0:
-            y = augment.random_grayscale(y, self.grayscale_p)
+            y = augment.random_grayscale(y, self.grayscale_p, generator=g)
         if self.blur_p > 0:
-            y = augment.gaussian_blur(y, self._blur_kernel(), (0.1, 2.0), self.blur_p)
+            y = augment.gaussian_blur(y, self._blur_kernel(), (0.1, 2.0), self.blur_p, generator=g)
         if self.flip_p > 0:
-            y = augment.random_flip(y, self.flip_p)
+            y = augment.random_flip(y, self.flip_p, generator=g)
         mean = torch.tensor(self.mean).view(1, -1, 1, 1)
         std = torch.tensor(self.std).view(1, -1, 1, 1)
         return (y - mean) / std
@@ -163,19 +170,65 @@ def find_image_column(dataset: datasets.Dataset, image_column: str | None = None
     )
 
 
+class TwoViewDataset(torch.utils.data.Dataset):
+    """Two augmented views of each image of a ``datasets.Dataset``, made lazily when items are read.
+
+    The views of a batch depend only on ``(seed, epoch, the batch's indices)``: a private
+    ``torch.Generator`` is seeded from them, and the global RNG is never touched. So each epoch
+    brings fresh views, while a run resumed from a checkpoint augments every batch exactly as the
+    uninterrupted run did, however many batches the resumed run skipped or prefetched. The trainer's
+    dataloader calls :meth:`set_epoch` (Accelerate forwards it to the dataset) before every epoch.
+
+    Items are ``{"pixel_values": (3, S, S), "pixel_values_2": (3, S, S)}`` float tensors.
+    """
+
+    def __init__(self, dataset: datasets.Dataset, augmentation: TwoViewAugmentation, image_column: str | None = None,
+                 seed: int = 0):
+        if len(dataset) == 0:
+            raise ValueError("The dataset is empty: there is nothing to pretrain on")
+        self.dataset = dataset
+        self.augmentation = augmentation
+        self.image_column = find_image_column(dataset, image_column)
+        self.seed = seed
+        self.epoch = 0
+
+    column_names = ["pixel_values", "pixel_values_2"]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """A DataLoader fetches a whole batch through this: B images augmented at once."""
+        indices = [int(i) for i in indices]
+        images = self._images(indices)
+        generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, tuple(indices))) & (2**63 - 1))
+        v1, v2 = self.augmentation.batch(images, generator=generator)  # (B, 3, S, S) each
+        return [{"pixel_values": a, "pixel_values_2": b} for a, b in zip(v1, v2, strict=True)]
+
+    def _images(self, indices: list[int]) -> list:
+        try:
+            return self.dataset[indices][self.image_column]
+        except Exception as error:  # a corrupt or truncated file: find and name it
+            for i in indices:
+                try:
+                    to_rgb(self.dataset[i][self.image_column])
+                except Exception as item_error:
+                    raise ValueError(f"Image {i} of column {self.image_column!r} cannot be read: {item_error}") from error
+            raise
+
+
 def two_view_dataset(
-    dataset: datasets.Dataset, augmentation: TwoViewAugmentation, image_column: str | None = None
-) -> datasets.Dataset:
-    """``dataset`` whose items are ``{"pixel_values", "pixel_values_2"}`` tensors, augmented lazily
-    (``with_transform``: a fresh pair of views every time an item is read)."""
-    column = find_image_column(dataset, image_column)
-
-    def transform(batch):
-        # A DataLoader fetches a whole batch through Dataset.__getitems__, so this sees B images at once.
-        v1, v2 = augmentation.batch(batch[column])  # (B, 3, S, S) each
-        return {"pixel_values": list(v1), "pixel_values_2": list(v2)}
-
-    return dataset.with_transform(transform)
+    dataset: datasets.Dataset, augmentation: TwoViewAugmentation, image_column: str | None = None, seed: int = 0
+) -> TwoViewDataset:
+    """``dataset`` as a :class:`TwoViewDataset`: items ``{"pixel_values", "pixel_values_2"}``,
+    augmented lazily with views that are fresh every epoch and reproducible given ``seed``."""
+    return TwoViewDataset(dataset, augmentation, image_column, seed)
 
 
 def eval_dataset(

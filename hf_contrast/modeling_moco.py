@@ -6,6 +6,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
 
 from . import distributed
 from .backbone import build_encoder_and_head
@@ -13,6 +14,8 @@ from .configuration import MoCoConfig
 from .losses import info_nce_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .momentum import ema_update_, enqueue_
+
+logger = logging.get_logger(__name__)
 
 
 class MoCoModel(ContrastivePreTrainedModel):
@@ -78,6 +81,10 @@ class MoCoModel(ContrastivePreTrainedModel):
         process (gather them first, see :func:`hf_contrast.distributed.gather_no_grad`)."""
         if keys.ndim != 2 or keys.shape[1] != self.queue.shape[1]:
             raise ValueError(f"keys must have shape (B, {self.queue.shape[1]}), got {tuple(keys.shape)}")
+        finite = torch.isfinite(keys).all(dim=1)  # (B,)
+        if not bool(finite.all()):  # never let NaN/inf into the queue: it would poison every later loss
+            logger.warning(f"Dropping {int((~finite).sum())} of {keys.shape[0]} keys that are NaN or inf")
+            keys = keys[finite]
         enqueue_(self.queue, self.queue_ptr, F.normalize(keys.float(), dim=1))
         self.queue_filled.clamp_(min=0).add_(keys.shape[0]).clamp_(max=self.queue.shape[0])
 

@@ -8,15 +8,28 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from . import distributed
+from .checkpointing import (
+    CheckpointError,
+    check_checkpoint,
+    incomplete_checkpoints,
+    is_complete,
+    last_complete_checkpoint,
+    mark_complete,
+)
 from .metrics import ContrastiveMetrics
 from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
 from .momentum import momentum_at
 
 logger = logging.get_logger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or inf; raised before the step changes weights or queue."""
 
 
 @dataclass
@@ -96,6 +109,7 @@ class ContrastiveTrainer(Trainer):
             self.add_callback(self.momentum_callback)
         self.contrastive_metrics = ContrastiveMetrics(model.config.temperature)
         self._collapse_windows = 0
+        self._validate_setup()
         if not self.is_moco and args.world_size > 1 and not model.config.gather_distributed:
             logger.warning(
                 f"gather_distributed=False on {args.world_size} processes: each anchor sees only its own device's "
@@ -110,6 +124,36 @@ class ContrastiveTrainer(Trainer):
                 "gradients over more images."
             )
 
+    def _validate_setup(self) -> None:
+        """Clear errors before any work is wasted: no negatives, a queue the batch overwrites, bad data."""
+        a, cfg = self.args, self.model.config
+        if self.is_moco:
+            keys_per_step = a.per_device_train_batch_size * a.world_size * (2 if cfg.symmetric_loss else 1)
+            if keys_per_step > cfg.queue_size:
+                raise ValueError(
+                    f"queue_size={cfg.queue_size} is smaller than the {keys_per_step} keys enqueued per micro-batch "
+                    f"(per_device_train_batch_size={a.per_device_train_batch_size} x world size {a.world_size}"
+                    + (" x 2 views (symmetric_loss)" if cfg.symmetric_loss else "") + "): each step would overwrite "
+                    "the whole queue. Use queue_size >= that (65536 in MoCo) or a smaller batch."
+                )
+        elif self.negatives_per_anchor() < 1:
+            raise ValueError(
+                f"per_device_train_batch_size={a.per_device_train_batch_size} gives SimCLR no negatives "
+                f"(2 * N * world size - 2 = {self.negatives_per_anchor()}): use a per-device batch of at least 2."
+            )
+        if self.train_dataset is not None:
+            if hasattr(self.train_dataset, "__len__") and len(self.train_dataset) == 0:
+                raise ValueError("train_dataset is empty: there is nothing to pretrain on")
+            if hasattr(self.train_dataset, "__getitem__"):
+                item = self.train_dataset[0]
+                missing = {"pixel_values", "pixel_values_2"} - set(item)
+                if missing:
+                    raise ValueError(
+                        f"train_dataset items must hold 'pixel_values' and 'pixel_values_2' tensors; item 0 lacks "
+                        f"{sorted(missing)} (it has {sorted(item)}). Wrap an image dataset with "
+                        "hf_contrast.two_view_dataset(dataset, TwoViewAugmentation(...))."
+                    )
+
     def negatives_per_anchor(self) -> int:
         """Negatives each anchor will see once training runs (MoCo: with a full queue)."""
         model = self.accelerator.unwrap_model(self.model)
@@ -118,7 +162,25 @@ class ContrastiveTrainer(Trainer):
         world = self.args.world_size if model.config.gather_distributed else 1
         return 2 * self.args.per_device_train_batch_size * world - 2
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` picks the last COMPLETE checkpoint
+        (folders half-written when a process died are skipped, with a warning)."""
+        if resume_from_checkpoint is True:
+            for folder in incomplete_checkpoints(self.args.output_dir):
+                logger.warning(f"Skipping {folder}: it was not completely written (the process died while saving it)")
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise CheckpointError(f"No complete checkpoint to resume from in output_dir={self.args.output_dir!r}")
+        elif isinstance(resume_from_checkpoint, str) and not is_complete(resume_from_checkpoint):
+            if not os.path.isfile(os.path.join(resume_from_checkpoint, "trainer_state.json")):
+                raise CheckpointError(
+                    f"resume_from_checkpoint={resume_from_checkpoint!r} is not a complete checkpoint (no trainer_state.json, "
+                    "which the Trainer writes last). Pass resume_from_checkpoint=True to pick the last complete one."
+                )
+        self._log_setup()
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _log_setup(self) -> None:
         a = self.args
         logger.warning(
             f"Contrastive setup: per-device batch {a.per_device_train_batch_size}, world size {a.world_size}, "
@@ -128,10 +190,29 @@ class ContrastiveTrainer(Trainer):
             + (" (queue; fills during the first steps)" if self.is_moco else "")
             + " (accumulation adds none)"
         )
-        return super().train(*args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Refuse checkpoints that lack any tensor of the model (queue, key encoder, ...) before
+        transformers' lenient (``strict=False``) load."""
+        check_checkpoint(resume_from_checkpoint, self.accelerator.unwrap_model(model or self.model))
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder):
+            mark_complete(folder)  # last: weights, optimizer, RNG and trainer state are all on disk
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(pixel_values=inputs["pixel_values"], pixel_values_2=inputs["pixel_values_2"])
+        if model.training and not torch.isfinite(outputs.loss):
+            raise NonFiniteLossError(
+                f"Step {self.state.global_step}: the contrastive loss is {outputs.loss.item()}. Training stopped before "
+                "this step could update the weights or the queue. Likely causes: a learning rate too high (the "
+                f"weights diverged), fp16 overflow in the backbone (use bf16), temperature={model.config.temperature} "
+                "too low for the precision, or NaN/inf pixels in the input batch. Resume from the last checkpoint "
+                "with a lower learning rate."
+            )
         if model.training:
             unwrapped = self.accelerator.unwrap_model(model)
             if outputs.queue_keys is not None:

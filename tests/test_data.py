@@ -23,7 +23,15 @@ def test_two_views_are_different_random_crops(digits):
     assert set(item) == {"pixel_values", "pixel_values_2"}
     assert item["pixel_values"].shape == (3, 32, 32)
     assert not torch.equal(item["pixel_values"], item["pixel_values_2"])
-    assert not torch.equal(ds[0]["pixel_values"], ds[0]["pixel_values"])  # fresh views at every read
+    assert torch.equal(ds[0]["pixel_values"], ds[0]["pixel_values"])  # reproducible within an epoch
+    ds.set_epoch(1)
+    assert not torch.equal(ds[0]["pixel_values"], item["pixel_values"])  # fresh views every epoch
+    state = torch.get_rng_state()
+    ds.__getitems__([3, 1, 2])
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG is never touched
+    other_seed = two_view_dataset(digits["train"], aug, seed=1)
+    other_seed.set_epoch(1)
+    assert not torch.equal(other_seed[0]["pixel_values"], ds[0]["pixel_values"])
 
 
 def test_grayscale_and_rgba_become_rgb():

@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     f"{len(train)} training images, augmentation {augmentation}")
 
     trainer = ContrastiveTrainer(model=model, args=training_args,
-                                 train_dataset=two_view_dataset(train, augmentation, data_args.image_column))
+                                 train_dataset=two_view_dataset(train, augmentation, data_args.image_column,
+                                                                 seed=training_args.seed))
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     final_dir = os.path.join(training_args.output_dir, "final")
     trainer.save_model(final_dir)

@@ -1,0 +1,113 @@
+"""Strict, crash-safe checkpoints for contrastive training.
+
+transformers' Trainer loads a checkpoint's weights with ``strict=False`` and writes checkpoint
+folders in place. For MoCo the queue and the key encoder are training state, so a checkpoint that
+lacks them must not load silently, and a folder half-written when the process died must never be
+picked for resuming. Weights are read only from safetensors (never unpickled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from safetensors import safe_open
+from torch import nn
+
+COMPLETE_MARKER = "hf_contrast_checkpoint_complete"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is incomplete, unsafe (pickle only) or does not match the model."""
+
+
+def mark_complete(directory: str) -> None:
+    """Write the marker that says every file of the checkpoint in ``directory`` is on disk.
+
+    Written last, after weights, optimizer, RNG and trainer state, with an fsync'd rename so the
+    marker itself is never half-written."""
+    tmp = os.path.join(directory, COMPLETE_MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("complete\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, COMPLETE_MARKER))
+
+
+def is_complete(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, COMPLETE_MARKER))
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the largest N that is complete, or None.
+
+    Folders without the marker (the process died while writing them) are skipped."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = []
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT_RE.match(name)
+        if match and is_complete(os.path.join(output_dir, name)):
+            steps.append(int(match.group(1)))
+    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+
+
+def incomplete_checkpoints(output_dir: str) -> list[str]:
+    """``checkpoint-N`` folders of ``output_dir`` that lack the completion marker."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(
+        os.path.join(output_dir, n) for n in os.listdir(output_dir)
+        if _CHECKPOINT_RE.match(n) and not is_complete(os.path.join(output_dir, n))
+    )
+
+
+def checkpoint_weight_names(directory: str) -> set[str]:
+    """Tensor names stored in the safetensors weights of ``directory`` (single file or sharded)."""
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return set(f.keys())
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    present = sorted(os.listdir(directory)) if os.path.isdir(directory) else "the folder does not exist"
+    raise CheckpointError(
+        f"{directory} holds no safetensors weights (model.safetensors or model.safetensors.index.json); "
+        f"hf_contrast never loads pickled weights. Files present: {present}"
+    )
+
+
+def _summarise(names: list[str]) -> str:
+    """Group tensor names by their first component: ``key_encoder (62 tensors), queue``."""
+    groups: dict[str, int] = {}
+    for name in names:
+        head = name.split(".")[0]
+        groups[head] = groups.get(head, 0) + 1
+    return ", ".join(h if c == 1 and h in names else f"{h} ({c} tensors)" for h, c in groups.items())
+
+
+def check_checkpoint(directory: str, model: nn.Module) -> None:
+    """Raise :class:`CheckpointError` unless ``directory`` holds every tensor of ``model``'s state
+    dict (queue, queue pointer, key encoder included) in safetensors.
+
+    Raises:
+        CheckpointError: naming what is missing (grouped by module) and what is unexpected.
+    """
+    stored = checkpoint_weight_names(directory)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - stored), sorted(stored - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing: {_summarise(missing)}")
+        if unexpected:
+            parts.append(f"unexpected: {_summarise(unexpected)}")
+        raise CheckpointError(
+            f"The checkpoint {directory} does not match {type(model).__name__}: {'; '.join(parts)}. Resuming from it "
+            "would silently restart that state (e.g. an empty queue or a key encoder reset to the query "
+            "encoder). Resume from a checkpoint written by ContrastiveTrainer for the same config."
+        )

@@ -1,0 +1,86 @@
+"""A short, deterministic MoCo training run used by the resume and crash tests.
+
+    python tests/crash/train.py OUT_DIR [--kill-while-saving STEP] [--resume]
+
+With ``--kill-while-saving STEP`` the process SIGKILLs itself in the middle of writing
+checkpoint-STEP (after the weights, before optimizer, RNG and trainer state): a real process death
+mid-checkpoint. At the end it writes the queue, key and query encoders and the loss trajectory to
+``OUT_DIR/final_state.safetensors`` and ``OUT_DIR/losses.json``.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from hf_contrast import (
+    ContrastiveTrainer,
+    ContrastiveTrainingArguments,
+    MoCoConfig,
+    MoCoModel,
+    TwoViewAugmentation,
+    load_default_dataset,
+    two_view_dataset,
+)
+
+MAX_STEPS, SAVE_STEPS = 8, 3
+
+
+class KillWhileSaving(ContrastiveTrainer):
+    kill_at: int | None = None
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if self.state.global_step == self.kill_at:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)  # model.safetensors is written, the rest is not
+        super()._save_optimizer_and_scheduler(output_dir)
+
+
+def build_trainer(out_dir: str, kill_at: int | None = None) -> ContrastiveTrainer:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = MoCoModel(MoCoConfig(backbone="test_resnet", projection_hidden_dim=32, projection_dim=16, image_size=32,
+                                 queue_size=40, momentum=0.9, momentum_schedule="cosine", key_bn_splits=2))
+    train = load_default_dataset()["train"].select(range(64))
+    args = ContrastiveTrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=16, max_steps=MAX_STEPS, learning_rate=0.05, optim="sgd",
+        optim_args="momentum=0.9", lr_scheduler_type="cosine", logging_steps=1, save_strategy="steps",
+        save_steps=SAVE_STEPS, use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, report_to="none",
+    )
+    cls = KillWhileSaving if kill_at is not None else ContrastiveTrainer
+    cls.kill_at = kill_at
+    return cls(model=model, args=args,
+               train_dataset=two_view_dataset(train, TwoViewAugmentation.small_images(32, crop_scale=(0.5, 1.0))))
+
+
+def final_state(trainer: ContrastiveTrainer) -> dict[str, torch.Tensor]:
+    model = trainer.model
+    state = {"queue": model.queue, "queue_ptr": model.queue_ptr, "queue_filled": model.queue_filled}
+    state.update({f"key_encoder.{k}": v for k, v in model.key_encoder.state_dict().items()})
+    state.update({f"encoder.{k}": v for k, v in model.encoder.state_dict().items()})
+    return {k: v.detach().clone().contiguous() for k, v in state.items()}
+
+
+def losses(trainer: ContrastiveTrainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out_dir")
+    p.add_argument("--kill-while-saving", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    a = p.parse_args()
+    trainer = build_trainer(a.out_dir, a.kill_while_saving)
+    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    save_file(final_state(trainer), os.path.join(a.out_dir, "final_state.safetensors"))
+    with open(os.path.join(a.out_dir, "losses.json"), "w") as f:
+        json.dump(losses(trainer), f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Exact resume and crash safety.
+
+The uninterrupted run, the run stopped at a checkpoint and resumed, and the run SIGKILLed while
+writing a checkpoint and resumed from the last complete one must end with bitwise the same queue,
+queue pointer, key encoder, query encoder and loss trajectory (CPU, one thread, deterministic).
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import TrainerCallback
+
+from hf_contrast import CheckpointError, momentum_at
+
+SCRIPT = Path(__file__).parent / "crash" / "train.py"
+spec = importlib.util.spec_from_file_location("crash_train", SCRIPT)
+crash_train = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(crash_train)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, in this process."""
+    out = tmp_path_factory.mktemp("reference")
+    trainer = crash_train.build_trainer(str(out))
+    trainer.train()
+    return crash_train.final_state(trainer), crash_train.losses(trainer), out
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def assert_same_state(state, ref_state):
+    assert set(state) == set(ref_state)
+    for k in ref_state:
+        assert torch.equal(state[k], ref_state[k]), k
+
+
+def test_resume_after_stop_is_exact(reference, tmp_path):
+    ref_state, ref_losses, _ = reference
+    interrupted = crash_train.build_trainer(str(tmp_path))
+    interrupted.add_callback(StopAt(crash_train.SAVE_STEPS))  # stop right after the first checkpoint
+    interrupted.train()
+    assert interrupted.state.global_step == 3
+    assert (tmp_path / "checkpoint-3").is_dir()
+    resumed = crash_train.build_trainer(str(tmp_path))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert_same_state(crash_train.final_state(resumed), ref_state)
+    got = crash_train.losses(resumed)
+    assert {s: got[s] for s in range(4, 9)} == {s: ref_losses[s] for s in range(4, 9)}
+    assert resumed.state.global_step == 8
+    assert resumed.momentum_callback.last_momentum == momentum_at(7, 8, 0.9, "cosine")  # the schedule continued
+
+
+def test_sigkill_while_saving_loses_only_unsaved_steps(reference, tmp_path):
+    ref_state, ref_losses, _ = reference
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--kill-while-saving", "6"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL: no cleanup ran
+    half = tmp_path / "checkpoint-6"
+    assert (half / "model.safetensors").exists() and not (half / "trainer_state.json").exists()  # half-written
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        crash_train.build_trainer(str(tmp_path)).train(resume_from_checkpoint=str(half))
+    resumed = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--resume"],
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Skipping" in resumed.stderr and "checkpoint-6" in resumed.stderr  # it resumed from checkpoint-3
+    assert_same_state(load_file(tmp_path / "final_state.safetensors"), ref_state)
+    got = {int(k): v for k, v in json.loads((tmp_path / "losses.json").read_text()).items()}
+    assert {s: got[s] for s in range(4, 9)} == {s: ref_losses[s] for s in range(4, 9)}
+
+
+def test_checkpoint_missing_queue_or_key_encoder_is_refused(reference, tmp_path):
+    _, _, ref_dir = reference
+    checkpoint = ref_dir / "checkpoint-6"
+    weights = load_file(checkpoint / "model.safetensors")
+    broken = tmp_path / "checkpoint-6"
+    broken.mkdir()
+    for f in checkpoint.iterdir():
+        if f.name != "model.safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    save_file({k: v for k, v in weights.items() if k != "queue" and not k.startswith("key_encoder.")},
+              broken / "model.safetensors")
+    trainer = crash_train.build_trainer(str(tmp_path / "run"))
+    with pytest.raises(CheckpointError, match=r"missing: key_encoder \(\d+ tensors\), queue"):
+        trainer.train(resume_from_checkpoint=str(broken))
+    (broken / "model.safetensors").unlink()
+    torch.save(weights, broken / "pytorch_model.bin")  # a pickle: never loaded
+    with pytest.raises(CheckpointError, match="never loads pickled weights"):
+        trainer.train(resume_from_checkpoint=str(broken))
