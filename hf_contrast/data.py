@@ -56,6 +56,8 @@ class TwoViewAugmentation:
     _pipeline: Callable = field(init=False, repr=False)
 
     def __post_init__(self):
+        if isinstance(self.image_size, bool) or not isinstance(self.image_size, int) or self.image_size < 1:
+            raise ValueError(f"image_size={self.image_size!r} is invalid: it must be an integer >= 1 (pixels)")
         if not (0 < self.crop_scale[0] <= self.crop_scale[1] <= 1):
             raise ValueError(f"crop_scale={self.crop_scale!r} is invalid: it must be (min, max) with 0 < min <= max <= 1")
         for name in ("jitter_p", "grayscale_p", "blur_p", "flip_p"):

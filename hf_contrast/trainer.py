@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from .checkpointing import (
     last_complete_checkpoint,
     mark_complete,
 )
+from .grad_cache import grad_cache_step
 from .metrics import ContrastiveMetrics
 from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
@@ -171,12 +173,12 @@ class ContrastiveTrainer(Trainer):
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise CheckpointError(f"No complete checkpoint to resume from in output_dir={self.args.output_dir!r}")
-        elif isinstance(resume_from_checkpoint, str) and not is_complete(resume_from_checkpoint):
-            if not os.path.isfile(os.path.join(resume_from_checkpoint, "trainer_state.json")):
-                raise CheckpointError(
-                    f"resume_from_checkpoint={resume_from_checkpoint!r} is not a complete checkpoint (no trainer_state.json, "
-                    "which the Trainer writes last). Pass resume_from_checkpoint=True to pick the last complete one."
-                )
+        elif (isinstance(resume_from_checkpoint, str) and not is_complete(resume_from_checkpoint)
+              and not os.path.isfile(os.path.join(resume_from_checkpoint, "trainer_state.json"))):
+            raise CheckpointError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} is not a complete checkpoint (no trainer_state.json, "
+                "which the Trainer writes last). Pass resume_from_checkpoint=True to pick the last complete one."
+            )
         self._log_setup()
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -202,6 +204,40 @@ class ContrastiveTrainer(Trainer):
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save and os.path.isdir(folder):
             mark_complete(folder)  # last: weights, optimizer, RNG and trainer state are all on disk
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step; for SimCLR with ``grad_cache_chunk_size`` set, the gradient-cached step.
+
+        The cached step (:func:`~hf_contrast.grad_cache.grad_cache_step`) scales the loss by the
+        micro-batch's accumulation steps as Trainer does, back-propagates it through
+        ``accelerator.backward`` (mixed-precision grad scaler), runs the forwards under
+        ``compute_loss_context_manager`` (autocast) and lets DDP all-reduce only after the last
+        chunk (inside Trainer's own ``no_sync`` for the other micro-batches of an accumulation window).
+        """
+        chunk_size = getattr(self.accelerator.unwrap_model(model).config, "grad_cache_chunk_size", None)
+        if self.is_moco or chunk_size is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if self.args.n_gpu > 1:
+            raise ValueError(f"grad_cache_chunk_size={chunk_size} needs one device per process (torchrun or accelerate "
+                             f"launch), not torch.nn.DataParallel over {self.args.n_gpu} GPUs")
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        accumulation = self.current_gradient_accumulation_steps
+
+        def check_finite(outputs):  # before any backward: the weights are untouched when it raises
+            if not torch.isfinite(outputs.loss):
+                raise NonFiniteLossError(f"Step {self.state.global_step}: the contrastive loss is {outputs.loss.item()} "
+                                         "(gradient-cached step); see compute_loss for the usual causes.")
+
+        outputs = grad_cache_step(
+            model, inputs["pixel_values"], inputs["pixel_values_2"], chunk_size, loss_scale=1.0 / accumulation,
+            backward=self.accelerator.backward, no_sync=functools.partial(self.accelerator.no_sync, model=model),
+            autocast=self.compute_loss_context_manager, on_loss=check_finite,
+        )
+        self.contrastive_metrics.update(outputs)
+        return outputs.loss / accumulation
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(pixel_values=inputs["pixel_values"], pixel_values_2=inputs["pixel_values_2"])
