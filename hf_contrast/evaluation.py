@@ -79,3 +79,30 @@ def knn_accuracy(encoder: nn.Module | None, train_dataset, test_dataset, k: int 
     train = extract_features(encoder, train_dataset, batch_size, progress=progress)
     test = extract_features(encoder, test_dataset, batch_size, progress=progress)
     return knn_top1(*train, *test, k=k, temperature=temperature)
+
+
+@torch.no_grad()
+def recalibrate_batch_norm(encoder: nn.Module, dataset, max_batches: int = 8, batch_size: int = 256) -> nn.Module:
+    """Re-estimate BatchNorm running statistics of ``encoder`` on ``dataset`` (items with
+    ``pixel_values``), as a cumulative average over up to ``max_batches`` batches. Weights are untouched.
+
+    A randomly initialised encoder evaluated with its initial running statistics (mean 0, var 1)
+    gives features that say nothing about it; a fair random-init baseline recalibrates first."""
+    norms = [m for m in encoder.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return encoder
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative moving average over the batches seen
+    was_training = encoder.training
+    encoder.train()
+    device = next(encoder.parameters()).device
+    for i, batch in enumerate(DataLoader(dataset, batch_size=batch_size, shuffle=True)):
+        if i == max_batches:
+            break
+        encoder(batch["pixel_values"].to(device))
+    for m, momentum in zip(norms, momenta, strict=True):
+        m.momentum = momentum
+    encoder.train(was_training)
+    return encoder

@@ -52,6 +52,7 @@ from hf_contrast.data import (
     eval_dataset,
     two_view_dataset,
 )
+from hf_contrast.evaluation import recalibrate_batch_norm
 from hf_contrast.hub import check_can_push
 
 logger = logging.getLogger("pretrain")
@@ -79,8 +80,10 @@ class ModelArguments:
         default=2048, metadata={"help": "MoCo queue length; keep it below the dataset size (4,000 digits)."})
     momentum: float = field(default=0.99, metadata={"help": "MoCo EMA momentum (0.99: CIFAR-scale runs)."})
     momentum_schedule: str = field(default="constant", metadata={"help": "constant or cosine (to 1.0)."})
-    key_bn_splits: int = field(default=4, metadata={"help": "MoCo on one process: key sub-batches for BatchNorm."})
-    symmetric_loss: bool = field(default=True, metadata={"help": "MoCo: use both views as queries."})
+    key_bn_splits: int = field(
+        default=1, metadata={"help": "MoCo on one process: key sub-batches for BatchNorm (4 scored 0.75 vs 0.82 here)."})
+    symmetric_loss: bool = field(
+        default=False, metadata={"help": "MoCo: both views as queries (1.8x the step time for +0.01 kNN here)."})
 
 
 @dataclass
@@ -103,7 +106,7 @@ class DataArguments:
 
 TRAINING_DEFAULTS = dict(
     output_dir="outputs/pretrain",
-    num_train_epochs=30,
+    num_train_epochs=40,
     per_device_train_batch_size=256,
     learning_rate=0.06,
     optim="sgd",
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tr = eval_dataset(train, augmentation, data_args.image_column, data_args.label_column)
         te = eval_dataset(test, augmentation, data_args.image_column, data_args.label_column)
         torch.manual_seed(training_args.seed)
-        random_init = build_model(model_args, data_args.image_size).encoder
+        random_init = recalibrate_batch_norm(build_model(model_args, data_args.image_size).encoder, tr)
         knn = lambda enc: knn_accuracy(enc, tr, te, k=data_args.knn_k)  # noqa: E731
         results["knn_pretrained"] = knn(model.encoder)
         results["knn_random_init"] = knn(random_init)
@@ -248,7 +251,7 @@ def export_and_push(trainer, export_dir, augmentation, results, data_args, name,
 def print_report(results: dict[str, float], final_dir: str, model) -> None:
     rows = [
         ("kNN top-1, pretrained encoder", results.get("knn_pretrained")),
-        ("kNN top-1, same architecture at random init", results.get("knn_random_init")),
+        ("kNN top-1, same architecture at random init (BN recalibrated)", results.get("knn_random_init")),
         ("kNN top-1, raw pixels", results.get("knn_raw_pixels")),
         ("final training loss", results.get("final_loss")),
         ("ln(K+1): the loss of a model with no signal", results.get("no_signal_loss")),
