@@ -184,6 +184,8 @@ class ContrastiveTrainer(Trainer):
 
     def _log_setup(self) -> None:
         a = self.args
+        if not a.should_log:  # the main process speaks for all
+            return
         logger.warning(
             f"Contrastive setup: per-device batch {a.per_device_train_batch_size}, world size {a.world_size}, "
             f"gradient accumulation {a.gradient_accumulation_steps}, global batch "
@@ -218,22 +220,25 @@ class ContrastiveTrainer(Trainer):
         if self.is_moco or chunk_size is None:
             return super().training_step(model, inputs, num_items_in_batch)
         if self.args.n_gpu > 1:
-            raise ValueError(f"grad_cache_chunk_size={chunk_size} needs one device per process (torchrun or accelerate "
-                             f"launch), not torch.nn.DataParallel over {self.args.n_gpu} GPUs")
+            raise ValueError(f"grad_cache_chunk_size={chunk_size} needs one device per process (torchrun or "
+                             f"accelerate launch), not torch.nn.DataParallel over {self.args.n_gpu} GPUs")
         model.train()
         if callable(getattr(self.optimizer, "train", None)):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
         accumulation = self.current_gradient_accumulation_steps
 
-        def check_finite(outputs):  # before any backward: the weights are untouched when it raises
+        def check_finite(outputs):  # runs before any backward: the weights are untouched if it raises
             if not torch.isfinite(outputs.loss):
-                raise NonFiniteLossError(f"Step {self.state.global_step}: the contrastive loss is {outputs.loss.item()} "
-                                         "(gradient-cached step); see compute_loss for the usual causes.")
+                raise NonFiniteLossError(f"Step {self.state.global_step}: the contrastive loss is "
+                                         f"{outputs.loss.item()} (gradient-cached step); see compute_loss "
+                                         "for the usual causes.")
 
         outputs = grad_cache_step(
-            model, inputs["pixel_values"], inputs["pixel_values_2"], chunk_size, loss_scale=1.0 / accumulation,
-            backward=self.accelerator.backward, no_sync=functools.partial(self.accelerator.no_sync, model=model),
+            model, inputs["pixel_values"], inputs["pixel_values_2"], chunk_size,
+            loss_scale=1.0 / accumulation,  # as Trainer: compute_loss returns a per-micro-batch mean
+            backward=self.accelerator.backward,  # applies the fp16 grad scaler
+            no_sync=functools.partial(self.accelerator.no_sync, model=model),
             autocast=self.compute_loss_context_manager, on_loss=check_finite,
         )
         self.contrastive_metrics.update(outputs)
