@@ -64,7 +64,8 @@ def alignment(x: torch.Tensor, y: torch.Tensor, alpha: float = 2.0) -> float:
         alpha: exponent of the distance, > 0.
     """
     if x.ndim != 2 or x.shape != y.shape or x.shape[0] == 0:
-        raise ValueError(f"x and y must be non-empty (N, D) tensors of one shape, got {tuple(x.shape)} and {tuple(y.shape)}")
+        raise ValueError(f"x and y must be non-empty (N, D) tensors of one shape, "
+                         f"got {tuple(x.shape)} and {tuple(y.shape)}")
     if alpha <= 0:
         raise ValueError(f"alpha={alpha!r} is invalid: alpha must be > 0 (2 in Wang & Isola)")
     x, y = F.normalize(x.float(), dim=1), F.normalize(y.float(), dim=1)  # (N, D) each

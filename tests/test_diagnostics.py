@@ -26,7 +26,8 @@ def test_parameter_drift_of_a_known_perturbation():
     assert parameter_drift([1.1 * q for q in query], query) == pytest.approx(0.1, rel=1e-5)
     delta = [torch.randn_like(q) for q in query]  # ||d|| / ||q|| over the concatenation of all tensors
     expected = torch.cat([d.flatten() for d in delta]).norm() / torch.cat([q.flatten() for q in query]).norm()
-    assert parameter_drift([q + d for q, d in zip(query, delta, strict=True)], query) == pytest.approx(expected.item(), rel=1e-5)
+    perturbed = [q + d for q, d in zip(query, delta, strict=True)]
+    assert parameter_drift(perturbed, query) == pytest.approx(expected.item(), rel=1e-5)
     with pytest.raises(ValueError, match="key_params and query_params"):
         parameter_drift(query[:1], query)
 

@@ -35,7 +35,8 @@ def one_thread():
 def tensor_dataset(n=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, 32, 32, generator=g)
-    ds = datasets.Dataset.from_dict({"pixel_values": x.numpy(), "pixel_values_2": (x + 0.3 * torch.randn_like(x)).numpy()})
+    x2 = x + 0.3 * torch.randn(x.shape, generator=g)
+    ds = datasets.Dataset.from_dict({"pixel_values": x.numpy(), "pixel_values_2": x2.numpy()})
     return ds.with_format("torch")
 
 
@@ -45,9 +46,9 @@ def moco(backbone="test_resnet", **kw):
 
 
 def trainer_for(model, tmp_path, n=64, **kw):
-    defaults = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=1, save_strategy="no",
-                    use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, learning_rate=0.1,
-                    logging_steps=100, report_to=[], optim="sgd")
+    defaults = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=1,
+                    save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+                    learning_rate=0.1, logging_steps=100, report_to=[], optim="sgd")
     return ContrastiveTrainer(model=model, args=ContrastiveTrainingArguments(**{**defaults, **kw}),
                               train_dataset=tensor_dataset(n))
 
@@ -62,6 +63,16 @@ class KeyBatchSpy(TrainerCallback):
         self.batches[state.global_step] = (key_pixel_values.clone(), keys.clone())
 
 
+class ModeSpy(TrainerCallback):
+    """Records the model's train/eval mode at every step end (add it after the monitors)."""
+
+    def __init__(self):
+        self.modes = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.modes.append(model.training)
+
+
 def logged(trainer, key):
     return [(h["step"], h[key]) for h in trainer.state.log_history if key in h]
 
@@ -71,7 +82,8 @@ def test_identical_key_and_query_encoders_give_consistency_one_and_drift_zero(tm
     """lr 0 and m 0: the key encoder stays equal to the query encoder, so every stored key is
     reproduced exactly, with a BatchNorm backbone and head, if the batch is re-encoded the way it was
     encoded. With 4 random BN sub-batches re-encoding cannot reproduce the split: below 1."""
-    model = moco(momentum=0.0, projection_batch_norm=True, projection_output_batch_norm=True, key_bn_splits=key_bn_splits)
+    model = moco(momentum=0.0, projection_batch_norm=True, projection_output_batch_norm=True,
+                 key_bn_splits=key_bn_splits)
     trainer = trainer_for(model, tmp_path, learning_rate=0.0, weight_decay=0.0)
     monitor = QueueConsistencyMonitor(every_n_steps=4).attach(trainer)
     trainer.train()
@@ -112,8 +124,9 @@ def test_consistency_per_age_matches_a_direct_computation(tmp_path):
         assert abs(direct(8 - age - 1) - expected[age]) > 1e-3  # the test tells steps apart
     assert expected[1] > expected[3]  # older keys agree less
     assert last["queue_consistency"] == pytest.approx((expected[1] + expected[3]) / 2, abs=1e-5)
-    drift = (torch.cat([(k - q).flatten() for k, q in zip(model.key_parameters(), model.query_parameters(), strict=True)])
-             .norm() / torch.cat([q.flatten() for q in model.query_parameters()]).norm())
+    pairs = list(zip(model.key_parameters(), model.query_parameters(), strict=True))
+    diff = torch.cat([(k - q).flatten() for k, q in pairs])  # (P,) all parameters
+    drift = diff.norm() / torch.cat([q.flatten() for _, q in pairs]).norm()
     assert last["key_drift"] == pytest.approx(drift.item(), rel=1e-3) and last["key_drift"] > 0
 
 
@@ -148,29 +161,31 @@ def test_monitors_do_not_change_training(tmp_path):
 
 def test_knn_monitor_logs_knn_accuracy_computed_directly(tmp_path, digits):
     aug = TwoViewAugmentation.small_images(32)
-    bank, held_out = eval_dataset(digits["train"].select(range(200)), aug), eval_dataset(digits["test"].select(range(100)), aug)
+    bank = eval_dataset(digits["train"].select(range(200)), aug)
+    held_out = eval_dataset(digits["test"].select(range(100)), aug)
     model = moco(momentum=0.9)
-    trainer = trainer_for(model, tmp_path, n=48, learning_rate=0.2)
-    modes = []
-
-    class ModeSpy(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            modes.append(model.training)
-
-    monitor = KNNMonitor(bank, held_out, every_n_steps=4, k=20, cache_inputs=True).attach(trainer)
-    trainer.add_callback(ModeSpy())  # runs after the monitor at every step
+    trainer = trainer_for(model, tmp_path, n=48, learning_rate=0.2, logging_steps=2)
+    KNNMonitor(bank, held_out, every_n_steps=4, k=20, cache_inputs=True).attach(trainer)
+    spy = ModeSpy()
+    trainer.add_callback(spy)  # runs after the monitor at every step
     trainer.train()
     entries = logged(trainer, "knn_top1")
     assert [s for s, _ in entries] == [4, 6]  # every 4 steps, and the last step
     assert entries[-1][1] == knn_accuracy(model.encoder, bank, held_out, k=20)
-    assert all(modes) and len(modes) == 6
+    assert spy.modes == [True] * 6
+    assert [s for s, _ in logged(trainer, "loss")] == [2, 4, 6]  # the training logs survive the monitor's
 
 
 def test_representation_monitor_matches_direct_formulas(tmp_path):
     model = moco(momentum=0.9, projection_batch_norm=True)
     trainer = trainer_for(model, tmp_path, n=16)
-    monitor = RepresentationMonitor(tensor_dataset(40, seed=1), every_n_steps=1, num_samples=32, batch_size=16).attach(trainer)
+    held_out = tensor_dataset(40, seed=1)
+    monitor = RepresentationMonitor(held_out, every_n_steps=1, num_samples=32, batch_size=16)
+    monitor.attach(trainer)
+    spy = ModeSpy()
+    trainer.add_callback(spy)
     trainer.train()
+    assert spy.modes == [True, True]
     v1, v2 = monitor.views
     assert v1.shape == (32, 3, 32, 32)
     model.eval()
