@@ -3,16 +3,25 @@
 from transformers import AutoConfig, AutoModel
 
 from .backbone import ProjectionHead, create_backbone
+from .checkpointing import CheckpointError, check_checkpoint, last_complete_checkpoint
 from .configuration import ContrastiveConfig, MoCoConfig, SimCLRConfig
-from .data import TwoViewAugmentation, TwoViewDataset, eval_dataset, find_image_column, load_default_dataset, two_view_dataset
+from .data import (
+    TwoViewAugmentation,
+    TwoViewDataset,
+    eval_dataset,
+    find_image_column,
+    load_default_dataset,
+    two_view_dataset,
+)
 from .diagnostics import alignment, key_consistency, parameter_drift, uniformity
 from .evaluation import extract_features, knn_accuracy, knn_top1
 from .export import export_encoder
+from .grad_cache import grad_cache_step
 from .hub import HubPushError, push_encoder_to_hub
 from .losses import info_nce_logits, info_nce_loss, nt_xent_logits, nt_xent_loss
+from .memory_probe import ActivationProbe, peak_memory_bytes, probe_activation_memory
 from .metrics import ContrastiveMetrics
 from .model_card import EncoderCardData
-from .checkpointing import CheckpointError, check_checkpoint, last_complete_checkpoint
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
@@ -28,6 +37,7 @@ AutoModel.register(SimCLRConfig, SimCLRModel, exist_ok=True)
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationProbe",
     "CheckpointError",
     "ContrastiveConfig",
     "ContrastiveMetrics",
@@ -42,9 +52,6 @@ __all__ = [
     "MoCoModel",
     "MomentumCallback",
     "NonFiniteLossError",
-    "TwoViewDataset",
-    "check_checkpoint",
-    "last_complete_checkpoint",
     "ProjectionHead",
     "QueueConsistencyMonitor",
     "RepresentationMonitor",
@@ -52,7 +59,9 @@ __all__ = [
     "SimCLRModel",
     "TrainingMonitor",
     "TwoViewAugmentation",
+    "TwoViewDataset",
     "alignment",
+    "check_checkpoint",
     "create_backbone",
     "ema_update_",
     "enqueue_",
@@ -60,16 +69,20 @@ __all__ = [
     "export_encoder",
     "extract_features",
     "find_image_column",
+    "grad_cache_step",
     "info_nce_logits",
     "info_nce_loss",
     "key_consistency",
     "knn_accuracy",
     "knn_top1",
+    "last_complete_checkpoint",
     "load_default_dataset",
     "momentum_at",
     "nt_xent_logits",
     "nt_xent_loss",
     "parameter_drift",
+    "peak_memory_bytes",
+    "probe_activation_memory",
     "push_encoder_to_hub",
     "two_view_dataset",
     "uniformity",

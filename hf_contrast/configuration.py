@@ -152,6 +152,14 @@ class SimCLRConfig(ContrastiveConfig):
             which stops the model from exploiting per-device statistics). Uses timm's
             ``convert_sync_batchnorm``; torch's SyncBatchNorm needs GPU (or XPU/HPU) tensors when
             several processes run, and is a plain BatchNorm on one process.
+        grad_cache_chunk_size: gradient caching (Gao et al. 2021) in ``ContrastiveTrainer``: embed
+            the per-device batch in chunks of this many images without grad, back-propagate the
+            loss over all views to the embeddings, then re-run each chunk with grad (same RNG state)
+            and back-propagate the cached embedding gradients. Same negatives, and without
+            BatchNorm the same gradients as the full batch, at one chunk's activation memory for
+            one extra forward pass. BatchNorm layers then see each chunk's statistics, not the
+            batch's (a warning says so): use ``projection_batch_norm=False`` and a backbone
+            without BatchNorm (ViT, ConvNeXt) for exact gradients. ``None`` (default): off.
     """
 
     model_type = "hf_contrast_simclr"
@@ -160,3 +168,11 @@ class SimCLRConfig(ContrastiveConfig):
     projection_batch_norm: bool = True
     gather_distributed: bool = True
     sync_batch_norm: bool = False
+    grad_cache_chunk_size: int | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        _check(lambda: self.grad_cache_chunk_size is None or (
+            isinstance(self.grad_cache_chunk_size, int) and not isinstance(self.grad_cache_chunk_size, bool)
+            and self.grad_cache_chunk_size >= 1), "grad_cache_chunk_size", self.grad_cache_chunk_size,
+            "None (off) or an integer >= 1 (images per chunk)")

@@ -7,7 +7,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1)  # tiny models: threads cost more than they give, and runs stay deterministic
 
 # Tiny real timm models: test_resnet has BatchNorm, test_vit has LayerNorm; both run at 32x32.
 TINY = dict(projection_hidden_dim=32, projection_dim=16, image_size=32)

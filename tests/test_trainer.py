@@ -72,8 +72,8 @@ def test_key_encoder_never_in_optimizer(tmp_path):
 def test_short_training_run_learns_and_logs_true_counts(tmp_path, digits, method):
     torch.manual_seed(0)
     if method == "moco":
-        model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=96, momentum=0.9,
-                                     projection_output_batch_norm=True, **TINY))
+        model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=96, momentum=0.9, key_bn_splits=1,
+                                     projection_batch_norm=True, projection_output_batch_norm=True, **TINY))
     else:
         model = SimCLRModel(SimCLRConfig(backbone="test_resnet", **TINY))
     train = two_view_dataset(digits["train"].select(range(256)), TwoViewAugmentation.small_images(32, crop_scale=(0.5, 1)))

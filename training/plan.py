@@ -1,0 +1,314 @@
+#!/usr/bin/env python
+"""Queue or batch? Memory per device and negatives per anchor of SimCLR (plain, gathered, gradient-cached)
+and MoCo for one backbone on one cluster, from a short measured probe of the real backbone.
+
+    python training/plan.py --backbone resnet50 --image_size 224 --device_memory_gb 80 --num_devices 8 \\
+        --target_negatives 65536
+    python training/plan.py --backbone vit_small_patch16_224 --image_size 224 --device_memory_gb 24 \\
+        --num_devices 4 --target_negatives 8190 --amp
+
+The activation memory per view is measured (``hf_contrast.memory_probe``: timm model, pretrained=False,
+plus the SimCLR head, fp32, forward + backward at two small batches on this machine's CPU or GPU) and
+scaled linearly to the batch each method needs. Parameters, gradients and optimizer state are counted
+in fp32 (SGD/LARS momentum: 12 bytes per parameter; AdamW: 16), and so are the input images of a
+step. ``--amp`` halves the activations (an approximation, not measured). Memory per device is what
+the allocator holds at the peak of a step; leave room for the framework (``--usable_fraction``, 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from hf_contrast.memory_probe import ActivationProbe, probe_activation_memory, training_state_bytes
+
+LOSS_COPIES = 4  # fp32 (2N, 2M) logits matrices the NT-Xent loss holds at its peak (measured: 3.5 to 4.3)
+CACHED_STEP_TIME = 4 / 3  # one extra forward without grad, about a third of a forward + backward
+GIB = 2**30
+MIB = 2**20
+
+
+def logits_bytes(anchors: int, candidates: int) -> float:
+    """One fp32 ``(anchors, candidates)`` logits matrix."""
+    return 4.0 * anchors * candidates
+
+
+def input_bytes(probe: ActivationProbe, views: int) -> float:
+    """Input images ``(views, 3, H, W)`` in fp32."""
+    return 4.0 * views * 3 * probe.image_size**2
+
+
+def simclr_activation_bytes(probe: ActivationProbe, images: int, world: int = 1, amp: bool = False) -> float:
+    """Activations and NT-Xent buffers of SimCLR with ``images`` per device, gathered over ``world``."""
+    per_view = probe.per_view_bytes * (0.5 if amp else 1.0)
+    return 2 * images * per_view + LOSS_COPIES * logits_bytes(2 * images, 2 * images * world)
+
+
+@dataclass
+class MethodPlan:
+    """One method's requirement per device.
+
+    Attributes:
+        name: the method as printed.
+        batch_per_device: images per device per step (one micro-batch).
+        negatives: negatives per anchor.
+        activation_bytes: activations and loss buffers at the step's peak.
+        input_bytes: the step's input images (fp32), resident on the device for the whole step.
+        state_bytes: parameters + gradients + optimizer state of the trained encoder and head.
+        extra_bytes: MoCo's queue and key encoder; 0 for SimCLR.
+        chunk: images per gradient-cache chunk (cached SimCLR only).
+        note: what else to know (step time, BatchNorm, global batch).
+    """
+
+    name: str
+    batch_per_device: int
+    negatives: int
+    activation_bytes: float
+    input_bytes: float
+    state_bytes: float
+    extra_bytes: float = 0.0
+    chunk: int | None = None
+    note: str = ""
+
+    @property
+    def total_bytes(self) -> float:
+        return self.activation_bytes + self.input_bytes + self.state_bytes + self.extra_bytes
+
+
+def plan(
+    probe: ActivationProbe,
+    *,
+    num_devices: int,
+    device_memory_bytes: float,
+    target_negatives: int,
+    queue_size: int | None = None,
+    embedding_dim: int = 128,
+    moco_batch_size: int = 256,
+    optimizer: str = "sgd",
+    amp: bool = False,
+    usable_fraction: float = 0.9,
+    max_global_batch: int = 8192,
+) -> tuple[list[MethodPlan], str, str]:
+    """Memory per device of each method and the recommendation.
+
+    Args:
+        probe: the backbone's measured activation memory per view.
+        num_devices: devices (processes) W.
+        device_memory_bytes: memory of one device.
+        target_negatives: negatives per anchor wanted (K).
+        queue_size: MoCo's queue length; defaults to ``target_negatives``.
+        embedding_dim: embedding size D (queue width).
+        moco_batch_size: MoCo's global batch (256 in MoCo v2).
+        optimizer: ``"sgd"``, ``"lars"`` or ``"adamw"`` (optimizer state per parameter).
+        amp: bf16/fp16 autocast: activations taken as half the measured fp32 ones.
+        usable_fraction: share of the device memory a plan may use.
+        max_global_batch: largest global SimCLR batch considered trainable (8192: SimCLR's largest,
+            with LARS).
+
+    Returns:
+        ``(plans, recommended method name, reason)``.
+    """
+    w, k = num_devices, target_negatives
+    queue_size = queue_size or k
+    usable = usable_fraction * device_memory_bytes
+    per_view = probe.per_view_bytes * (0.5 if amp else 1.0)
+    state = training_state_bytes(probe.num_params, optimizer)
+
+    n_local = math.ceil((k + 2) / 2)  # per device: 2N - 2 >= K
+    n_gathered = math.ceil((k + 2) / (2 * w))  # gathered: 2 N W - 2 >= K
+    global_batch = n_gathered * w
+    plain = MethodPlan(
+        "SimCLR, per device (no gather)",
+        n_local,
+        2 * n_local - 2,
+        simclr_activation_bytes(probe, n_local, 1, amp),
+        input_bytes(probe, 2 * n_local),
+        state,
+        note="negatives from this device only",
+    )
+    gathered = MethodPlan(
+        f"SimCLR, gathered over {w}",
+        n_gathered,
+        2 * global_batch - 2,
+        simclr_activation_bytes(probe, n_gathered, w, amp),
+        input_bytes(probe, 2 * n_gathered),
+        state,
+        note=f"global batch {global_batch:,}",
+    )
+    loss_peak = LOSS_COPIES * logits_bytes(2 * n_gathered, 2 * global_batch)
+    embeddings = 2 * 2 * n_gathered * embedding_dim * 4.0  # the (2N, D) cache and its gradient
+    kept = logits_bytes(2 * n_gathered, 2 * global_batch) + embeddings  # alive during pass 2
+    room = usable - state - kept - input_bytes(probe, 2 * n_gathered)
+    chunk = max(1, min(n_gathered, 2 ** int(math.log2(max(room / (2 * per_view), 1)))))  # a power of 2
+    cached = MethodPlan(
+        "SimCLR, gathered + grad cache",
+        n_gathered,
+        2 * global_batch - 2,
+        max(loss_peak, 2 * chunk * per_view) + kept,
+        input_bytes(probe, 2 * n_gathered),
+        state,
+        chunk=chunk,
+        note=f"global batch {global_batch:,}; step ~{CACHED_STEP_TIME:.2f}x gathered; BN sees chunks",
+    )
+    b = math.ceil(moco_batch_size / w)
+    key_encoder = probe.num_params * 4.0
+    queue = queue_size * embedding_dim * 4.0
+    moco = MethodPlan(
+        f"MoCo (queue {queue_size:,}, dim {embedding_dim})",
+        b,
+        queue_size,
+        b * per_view + LOSS_COPIES * logits_bytes(b, 1 + queue_size),
+        input_bytes(probe, 2 * b),
+        state,
+        key_encoder + queue,
+        note=f"global batch {b * w:,}; key encoder {key_encoder / GIB:.2f} GiB; queue {queue / MIB:.0f} MiB",
+    )
+    plans = [plain, gathered, cached, moco]
+
+    fits = {p.name: p.total_bytes <= usable for p in plans}
+    moco_gib, gathered_gib, cached_gib = (p.total_bytes / GIB for p in (moco, gathered, cached))
+    if global_batch > max_global_batch and fits[moco.name]:
+        reason = (
+            f"{k:,} in-batch negatives need a global SimCLR batch of {global_batch:,} images, beyond the "
+            f"{max_global_batch:,} of SimCLR's largest (LARS) runs: few optimizer steps per epoch and a hard "
+            f"large-batch optimisation, whatever the memory. MoCo's queue gives {queue_size:,} negatives "
+            f"at a global batch of {b * w:,} with {moco_gib:.1f} GiB per device, for one extra forward "
+            "(the key encoder's)."
+        )
+        return plans, moco.name, reason
+    if fits[gathered.name]:
+        reason = (
+            f"the global batch of {global_batch:,} images fits ({gathered_gib:.1f} GiB per device): exact, "
+            "fresh in-batch negatives with no key encoder, no queue staleness and no extra forward."
+        )
+        return plans, gathered.name, reason
+    if fits[cached.name]:
+        reason = (
+            f"the gathered batch needs {gathered_gib:.1f} GiB per device; gradient caching with chunks of "
+            f"{chunk} images gives the same {gathered.negatives:,} negatives in {cached_gib:.1f} GiB for "
+            "about "
+            f"{CACHED_STEP_TIME:.2f}x the step time. Exact gradients need a model without BatchNorm."
+        )
+        return plans, cached.name, reason
+    if fits[moco.name]:
+        reason = (
+            f"even one gradient-cache chunk does not fit beside the {gathered.negatives:,}-view loss; MoCo's "
+            f"queue decouples negatives from the batch ({moco_gib:.1f} GiB per device)."
+        )
+        return plans, moco.name, reason
+    return plans, "none", "nothing fits: use a smaller backbone or image size, fewer negatives, or --amp."
+
+
+def format_plan(
+    probe: ActivationProbe,
+    plans: list[MethodPlan],
+    choice: str,
+    reason: str,
+    *,
+    num_devices: int,
+    device_memory_bytes: float,
+    target_negatives: int,
+    optimizer: str,
+    amp: bool,
+    usable_fraction: float,
+) -> str:
+    """The plan as a printable table with the recommendation under it."""
+    usable = usable_fraction * device_memory_bytes
+    scaled = ", scaled by pixels" if probe.probe_image_size != probe.image_size else ""
+    activations = "x0.5 for autocast (assumed)" if amp else "fp32"
+    lines = [
+        f"{probe.backbone} at {probe.image_size} px, {num_devices} devices x "
+        f"{device_memory_bytes / 1e9:.0f} GB ({usable / GIB:.1f} GiB usable), "
+        f"target {target_negatives:,} negatives per anchor",
+        f"probe: {probe.per_view_bytes / 2**20:.1f} MiB of fp32 activations per view (measured at "
+        f"{probe.probe_image_size} px, {probe.probe_views[0]} and {probe.probe_views[1]} views{scaled}), "
+        f"{probe.num_params / 1e6:.1f} M parameters with the head; {optimizer} state; "
+        f"activations {activations}",
+        "",
+        f"{'method':<34}{'batch/dev':>13}{'negatives':>11}{'inputs':>9}{'activations':>13}{'params+opt':>12}"
+        f"{'queue+key':>11}{'total/dev':>11}  fits",
+    ]
+    for p in plans:
+        batch = f"{p.batch_per_device:,}" + (f" ({p.chunk})" if p.chunk else "")
+        sizes = (p.input_bytes, p.activation_bytes, p.state_bytes, p.extra_bytes, p.total_bytes)
+        gib = [f"{x / GIB:.{2 if x < 10 * GIB else 1}f} G" for x in sizes]
+        fits = "yes" if p.total_bytes <= usable else "no"
+        lines.append(
+            f"{p.name:<34}{batch:>13}{p.negatives:>11,}{gib[0]:>9}{gib[1]:>13}{gib[2]:>12}{gib[3]:>11}"
+            f"{gib[4]:>11}  {fits}"
+        )
+    lines += ["", "GiB per device; batch/dev in images (the cached row: per step (per chunk))"]
+    lines += [f"  {p.name}: {p.note}" for p in plans if p.note]
+    lines += ["", f"Recommendation: {choice}", f"Reason: {reason}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backbone", default="resnet50", help="timm architecture name")
+    p.add_argument("--image_size", type=int, default=224)
+    p.add_argument(
+        "--device_memory_gb", type=float, default=80.0, help="memory of one device, GB (1e9 bytes)"
+    )
+    p.add_argument("--num_devices", type=int, default=8)
+    p.add_argument("--target_negatives", type=int, default=65536, help="negatives per anchor wanted")
+    p.add_argument("--queue_size", type=int, default=None, help="MoCo queue length (default: the target)")
+    p.add_argument("--embedding_dim", type=int, default=128)
+    p.add_argument("--moco_batch_size", type=int, default=256, help="MoCo global batch (MoCo v2: 256)")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "lars", "adamw"])
+    p.add_argument("--amp", action="store_true", help="bf16/fp16 autocast: halve the activations (assumed)")
+    p.add_argument("--usable_fraction", type=float, default=0.9, help="share of device memory a plan may use")
+    p.add_argument(
+        "--max_global_batch", type=int, default=8192, help="largest global SimCLR batch considered"
+    )
+    p.add_argument("--probe_image_size", type=int, default=None, help="probe smaller images, scale by pixels")
+    p.add_argument("--probe_views", type=int, default=2, help="first probe batch (views)")
+    a = p.parse_args(argv)
+    for name in (
+        "image_size",
+        "num_devices",
+        "target_negatives",
+        "embedding_dim",
+        "moco_batch_size",
+        "probe_views",
+    ):
+        if getattr(a, name) < 1:
+            p.error(f"--{name}={getattr(a, name)} is invalid: --{name} must be an integer >= 1")
+    if not 0 < a.usable_fraction <= 1:
+        p.error(f"--usable_fraction={a.usable_fraction} is invalid: --usable_fraction must be in (0, 1]")
+    probe = probe_activation_memory(
+        a.backbone, a.image_size, views=max(a.probe_views, 2), probe_image_size=a.probe_image_size
+    )
+    memory = a.device_memory_gb * 1e9
+    plans, choice, reason = plan(
+        probe,
+        num_devices=a.num_devices,
+        device_memory_bytes=memory,
+        target_negatives=a.target_negatives,
+        queue_size=a.queue_size,
+        embedding_dim=a.embedding_dim,
+        moco_batch_size=a.moco_batch_size,
+        optimizer=a.optimizer,
+        amp=a.amp,
+        usable_fraction=a.usable_fraction,
+        max_global_batch=a.max_global_batch,
+    )
+    text = format_plan(
+        probe,
+        plans,
+        choice,
+        reason,
+        num_devices=a.num_devices,
+        device_memory_bytes=memory,
+        target_negatives=a.target_negatives,
+        optimizer=a.optimizer,
+        amp=a.amp,
+        usable_fraction=a.usable_fraction,
+    )
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
