@@ -55,6 +55,16 @@ def check_repo_id(repo_id: str | None) -> str:
     return repo_id
 
 
+def _blocker(repo_id: str, token: str | None) -> str | None:
+    """Why a push to ``repo_id`` cannot start (offline mode, no token), or ``None``."""
+    if constants.HF_HUB_OFFLINE:
+        return f"Cannot push to {repo_id}: offline mode is on (HF_HUB_OFFLINE=1); unset it."
+    if not (token or get_token()):
+        return (f"Cannot push to {repo_id}: no Hugging Face token. Run `hf auth login`, set HF_TOKEN, "
+                "or pass token= (training scripts: --hub_token).")
+    return None
+
+
 def check_can_push(repo_id: str | None, token: str | None = None) -> str:
     """Fail fast, before any training, if a push could not happen: the repo id is malformed, there
     is no token, or offline mode is on. Returns the repo id.
@@ -63,11 +73,8 @@ def check_can_push(repo_id: str | None, token: str | None = None) -> str:
         ValueError: naming what to change.
     """
     repo_id = check_repo_id(repo_id)
-    if constants.HF_HUB_OFFLINE:
-        raise ValueError(f"Cannot push to {repo_id}: offline mode is on (HF_HUB_OFFLINE=1); unset it or drop --push_to_hub.")
-    if not (token or get_token()):
-        raise ValueError(f"Cannot push to {repo_id}: no Hugging Face token. Run `hf auth login`, set HF_TOKEN, "
-                         "or pass --hub_token.")
+    if reason := _blocker(repo_id, token):
+        raise ValueError(reason)
     return repo_id
 
 
@@ -131,11 +138,9 @@ def push_encoder_to_hub(source, repo_id: str | None = None, *, token: str | None
     endpoint = endpoint or constants.ENDPOINT
     keep = (f"The export is intact at {folder.resolve()}; push it again with "
             f"hf_contrast.push_encoder_to_hub({str(folder.resolve())!r}, {repo_id!r}).")
-    if constants.HF_HUB_OFFLINE:
-        raise HubPushError(f"Cannot push to {repo_id}: offline mode is on (HF_HUB_OFFLINE=1); unset it. {keep}", folder)
-    if not (token or get_token()):
-        raise HubPushError(f"Cannot push to {repo_id}: no Hugging Face token. Run `hf auth login`, set HF_TOKEN, "
-                           f"or pass token= (--hub_token). {keep}", folder)
+    if reason := _blocker(repo_id, token):
+        logger.error(f"{reason} {keep}")
+        raise HubPushError(f"{reason} {keep}", folder)
     api = HfApi(endpoint=endpoint, token=token, library_name="hf_contrast")
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

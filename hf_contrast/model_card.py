@@ -179,8 +179,12 @@ class EncoderCardData:
     def from_trainer(cls, trainer, augmentation=None, **overrides) -> EncoderCardData:
         """Card data from a :class:`~hf_contrast.ContrastiveTrainer` (after ``train()``): the batch,
         world size and accumulation from ``trainer.args``, steps, epochs and curves from
-        ``trainer.state``, the negatives from ``trainer.negatives_per_anchor()``."""
+        ``trainer.state``, the negatives from ``trainer.negatives_per_anchor()``, and the augmentation
+        (normalisation, crop size) from the training dataset when it is a
+        :class:`~hf_contrast.data.TwoViewDataset` and ``augmentation`` is not given."""
         model = trainer.accelerator.unwrap_model(trainer.model)
+        if augmentation is None:
+            augmentation = getattr(trainer.train_dataset, "augmentation", None)
         args, state = trainer.args, trainer.state
         fields = dict(
             per_device_batch_size=args.per_device_train_batch_size,

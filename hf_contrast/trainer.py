@@ -22,6 +22,7 @@ from .checkpointing import (
     mark_complete,
 )
 from .grad_cache import grad_cache_step
+from .hub import push_encoder_to_hub
 from .metrics import ContrastiveMetrics
 from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
@@ -194,6 +195,15 @@ class ContrastiveTrainer(Trainer):
             + (" (queue; fills during the first steps)" if self.is_moco else "")
             + " (accumulation adds none)"
         )
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
+        """Push the query encoder (timm format) with its model card, not the full checkpoint, to
+        ``args.hub_model_id``; main process only. ``kwargs`` as :func:`hf_contrast.push_encoder_to_hub`."""
+        return push_encoder_to_hub(self, commit_message=commit_message or "End of training", **kwargs)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Checkpoints stay local (full training state, and transformers pickles its training args there):
+        the Hub gets the encoder export, via :meth:`push_to_hub`."""
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Refuse checkpoints that lack any tensor of the model (queue, key encoder, ...) before

@@ -67,15 +67,34 @@ def expected_features(encoder, digits, directory):
     return tensors
 
 
+_SHARED: dict = {}
+
+
+def shared_moco_run(digits, tmp_path_factory):
+    """One MoCo test_resnet trained 4 steps with a kNN monitor (BatchNorm statistics moved, ``knn_top1``
+    logged), exported from its trainer, its full checkpoint saved, and reference features written.
+
+    Trained once per session and shared by the export, card, push and downstream tests (a plain cache:
+    they all import this module).
+
+    Returns:
+        ``(model, trainer, export_dir, run_dir, expected_features)``.
+    """
+    if "moco" not in _SHARED:
+        tmp = tmp_path_factory.mktemp("moco")
+        torch.manual_seed(0)
+        model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=32, **TINY))
+        trainer = train_tiny(model, digits, tmp, knn=True)
+        export = export_encoder(trainer, tmp / "encoder", augmentation=AUGMENTATION, datasets=["ylecun/mnist"],
+                                dataset_description="5,000 MNIST digits")
+        model.save_pretrained(tmp / "full")
+        _SHARED["moco"] = model, trainer, export, tmp, expected_features(model.encoder, digits, tmp)
+    return _SHARED["moco"]
+
+
 @pytest.fixture(scope="module")
 def moco_run(digits, tmp_path_factory):
-    """A MoCo test_resnet trained a few steps (BatchNorm statistics moved), exported from its trainer."""
-    tmp = tmp_path_factory.mktemp("moco")
-    torch.manual_seed(0)
-    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=32, **TINY))
-    trainer = train_tiny(model, digits, tmp)
-    export = export_encoder(trainer, tmp / "encoder", augmentation=AUGMENTATION, knn_top1=0.5)
-    return model, trainer, export, tmp
+    return shared_moco_run(digits, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +108,7 @@ def simclr_vit(digits, tmp_path_factory):
 
 
 def test_export_is_timm_hub_layout_of_the_query_encoder(moco_run):
-    model, _, export, _ = moco_run
+    model, _, export, _, _ = moco_run
     assert {p.name for p in export.iterdir()} == EXPORT_FILES  # no pickle, no full checkpoint
     config = json.loads((export / "config.json").read_text())
     assert config["architecture"] == "test_resnet" and config["num_classes"] == 0
@@ -174,9 +193,9 @@ OTHER_TIMM = os.environ.get("HF_CONTRAST_OTHER_TIMM")
     not OTHER_TIMM, reason="set HF_CONTRAST_OTHER_TIMM to an unpacked timm wheel"))], ids=["installed", "other"])
 def test_every_loader_gives_the_trained_features_without_hf_contrast(moco_run, simclr_vit, digits, tmp_path,
                                                                      other_timm):
-    runs = {"moco_resnet": (moco_run[0], moco_run[2]), "simclr_vit": (simclr_vit[0], simclr_vit[1])}
-    expected = {name: expected_features(model.encoder, digits, export.parent) for name, (model, export) in runs.items()}
-    meta, out = run_loaders({name: export for name, (_, export) in runs.items()}, tmp_path, other_timm)
+    model, export, tmp = simclr_vit
+    expected = {"moco_resnet": moco_run[4], "simclr_vit": expected_features(model.encoder, digits, tmp)}
+    meta, out = run_loaders({"moco_resnet": moco_run[2], "simclr_vit": export}, tmp_path, other_timm)
 
     assert meta["hf_contrast_imported"] is False
     if other_timm:
@@ -196,9 +215,8 @@ def test_every_loader_gives_the_trained_features_without_hf_contrast(moco_run, s
 def test_full_checkpoint_and_export_are_distinct_and_both_load(moco_run):
     from transformers import AutoModel
 
-    model, _, export, tmp = moco_run
+    model, _, export, tmp, _ = moco_run
     full = tmp / "full"
-    model.save_pretrained(full)
     full_config = json.loads((full / "config.json").read_text())
     export_config = json.loads((export / "config.json").read_text())
     assert full_config["model_type"] == "hf_contrast_moco" and "model_type" not in export_config

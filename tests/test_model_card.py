@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import TINY
 from huggingface_hub import ModelCard
-from test_hub_export import AUGMENTATION, train_tiny
+from test_hub_export import AUGMENTATION, shared_moco_run, train_tiny
 
-from hf_contrast import EncoderCardData, MoCoConfig, MoCoModel, SimCLRConfig, SimCLRModel, export_encoder
+from hf_contrast import EncoderCardData, MoCoConfig, MoCoModel, SimCLRConfig, SimCLRModel
 from hf_contrast.model_card import negatives_per_anchor
 
 
@@ -79,16 +79,14 @@ def test_negative_counts_match_the_trainer(simclr, digits, tmp_path):
     logged = {h["num_negatives"] for h in trainer.state.log_history if "num_negatives" in h}
     assert logged == {14}  # what the card states is what the loss used
     assert card.steps == 2 and card.per_device_batch_size == 8
+    # without augmentation=, the normalisation comes from the TwoViewDataset the trainer read
+    assert EncoderCardData.from_trainer(trainer).mean == tuple(AUGMENTATION.mean) != (0.485, 0.456, 0.406)
 
 
-def test_card_from_trainer_has_yaml_curves_and_knn(digits, tmp_path):
-    torch.manual_seed(0)
-    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=32, **TINY))
-    trainer = train_tiny(model, digits, tmp_path, steps=4, batch_size=16, knn=True)
+def test_card_from_trainer_has_yaml_curves_and_knn(digits, tmp_path_factory):
+    _, trainer, export, _, _ = shared_moco_run(digits, tmp_path_factory)
     knn_logged = [h["knn_top1"] for h in trainer.state.log_history if "knn_top1" in h]
-    assert len(knn_logged) == 2  # KNNMonitor every 2 steps
-    export = export_encoder(trainer, tmp_path / "encoder", augmentation=AUGMENTATION,
-                            datasets=["ylecun/mnist"], dataset_description="5,000 MNIST digits")
+    assert len(knn_logged) == 2  # KNNMonitor every 2 of the 4 steps
     card = ModelCard.load(export / "README.md")
     assert card.data.library_name == "timm" and card.data.pipeline_tag == "image-feature-extraction"
     assert {"moco", "test_resnet", "self-supervised"} <= set(card.data.tags)
@@ -97,12 +95,27 @@ def test_card_from_trainer_has_yaml_curves_and_knn(digits, tmp_path):
     assert "![Training curves](training_curves.png)" in card.text
     assert (export / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table_value(card.text, "optimizer steps") == "4"
+    assert table_value(card.text, "negatives per anchor") == "32" == str(trainer.negatives_per_anchor())
     assert 'timm.create_model("local-dir:' in card.text and "AutoModelForImageClassification" in card.text
     assert "random resized crop to 32 px, scale (0.5, 1.0)" in table_value(card.text, "augmentations")
 
 
+def test_training_curves_plot_every_logged_metric(tmp_path):
+    from hf_contrast.model_card import plot_training_curves
+
+    history = [{"loss": 4.0 - s / 10, "contrastive_top1": s / 10, "step": s} for s in range(1, 6)]
+    assert plot_training_curves([{"train_runtime": 1.0, "step": 5}], tmp_path / "none.png") is None
+    without = plot_training_curves(history, tmp_path / "two.png")
+    with_knn = plot_training_curves(history + [{"knn_top1": 0.8, "step": 5}], tmp_path / "three.png")
+    from PIL import Image
+
+    assert Image.open(with_knn).width > Image.open(without).width  # a third panel for knn_top1
+
+
 def test_card_loading_snippets_name_the_repo(simclr):
-    text = render(EncoderCardData.from_model(simclr, AUGMENTATION, repo_id="my-org/simclr-digits"))
+    text = render(EncoderCardData.from_model(simclr, repo_id="my-org/simclr-digits"))  # no augmentation recorded
     assert 'timm.create_model("hf-hub:my-org/simclr-digits", pretrained=True)' in text
     assert 'AutoModel.from_pretrained("my-org/simclr-digits")' in text
     assert table_value(text, "negatives per anchor") == "unknown"  # SimCLR without a batch size: no guess
+    assert table_value(text, "input") == "32 px, normalisation not recorded"
+    assert table_value(text, "augmentations") == "not recorded"

@@ -177,12 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # only the encoder export, after training. Both checks fail fast, before any training.
     push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
     export_dir = os.path.join(training_args.output_dir, "encoder")
-    if training_args.process_index == 0:
-        if os.path.isdir(export_dir) and os.listdir(export_dir):
-            raise ValueError(f"The encoder export directory {export_dir} is not empty (an earlier run?): pass another "
-                             "--output_dir or move that folder away.")
-        if push_to_hub:
-            check_can_push(training_args.hub_model_id, training_args.hub_token)
+    if training_args.process_index == 0 and push_to_hub:
+        check_can_push(training_args.hub_model_id, training_args.hub_token)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         handlers=[logging.StreamHandler(sys.stdout)])
     transformers.utils.logging.set_verbosity_warning()
@@ -240,6 +236,7 @@ def export_and_push(trainer, export_dir, augmentation, results, data_args, name,
         knn_details=f"k={data_args.knn_k}, t=0.1, on {len(test)} held-out images" if "knn_pretrained" in results else None,
         datasets=[data_args.dataset_name] if data_args.dataset_name else [], dataset_description=name,
         repo_id=push_args.hub_model_id if push_args is not None else None,
+        overwrite=True,  # OUTPUT_DIR/encoder belongs to this script, like OUTPUT_DIR/final: a rerun replaces it
     )
     print(f"Encoder export (timm format, loads without hf_contrast): {os.path.abspath(export_dir)}")
     if push_args is not None:
