@@ -25,7 +25,7 @@ def test_pretrain_runs_and_reports(pretrain, tmp_path, capsys):
         "--backbone", "test_resnet", "--projection_hidden_dim", "32", "--max_train_samples", "256",
         "--num_train_epochs", "2", "--per_device_train_batch_size", "32", "--queue_size", "128",
         "--output_dir", str(tmp_path), "--save_strategy", "no", "--knn_k", "20", "--disable_tqdm", "True",
-        "--dataloader_num_workers", "0",
+        "--dataloader_num_workers", "0", "--knn_every_n_steps", "8", "--logging_steps", "4",
     ])
     out = capsys.readouterr().out
     for row in ("kNN top-1, pretrained encoder", "raw pixels", "ln(K+1)"):
@@ -35,6 +35,9 @@ def test_pretrain_runs_and_reports(pretrain, tmp_path, capsys):
     assert results["final_loss"] < results["no_signal_loss"]
     assert json.loads((tmp_path / "results.json").read_text()) == results
     assert (tmp_path / "final" / "model.safetensors").exists()
+    assert (tmp_path / "encoder" / "training_curves.png").exists()
+    card = (tmp_path / "encoder" / "README.md").read_text()
+    assert "`knn_top1`" in card  # the online kNN monitor ran and its value reached the model card
 
 
 def test_pretrain_rejects_unknown_method(pretrain, tmp_path):

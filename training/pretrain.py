@@ -35,6 +35,7 @@ import hf_contrast
 from hf_contrast import (
     ContrastiveTrainer,
     ContrastiveTrainingArguments,
+    KNNMonitor,
     MoCoConfig,
     MoCoModel,
     SimCLRConfig,
@@ -102,6 +103,8 @@ class DataArguments:
     horizontal_flip: bool = field(default=False, metadata={"help": "Random flips (off: digits are not symmetric)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training split."})
     knn_k: int = field(default=200, metadata={"help": "Neighbours of the kNN monitor."})
+    knn_every_n_steps: int = field(
+        default=100, metadata={"help": "Log knn_top1 on the held-out split every N steps (0: only at the end)."})
 
 
 TRAINING_DEFAULTS = dict(
@@ -200,6 +203,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer = ContrastiveTrainer(model=model, args=training_args,
                                  train_dataset=two_view_dataset(train, augmentation, data_args.image_column,
                                                                  seed=training_args.seed))
+    labelled = test is not None and data_args.label_column in train.column_names
+    if labelled:
+        tr = eval_dataset(train, augmentation, data_args.image_column, data_args.label_column)
+        te = eval_dataset(test, augmentation, data_args.image_column, data_args.label_column)
+        if data_args.knn_every_n_steps > 0:  # knn_top1 in the logs and in the model card's curves
+            KNNMonitor(tr, te, every_n_steps=data_args.knn_every_n_steps, k=data_args.knn_k).attach(trainer)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     final_dir = os.path.join(training_args.output_dir, "final")
     trainer.save_model(final_dir)
@@ -209,9 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if history:
         results["final_loss"] = history[-1]["loss"]
         results["no_signal_loss"] = math.log(history[-1]["num_negatives"] + 1)
-    if test is not None and data_args.label_column in train.column_names and training_args.process_index == 0:
-        tr = eval_dataset(train, augmentation, data_args.image_column, data_args.label_column)
-        te = eval_dataset(test, augmentation, data_args.image_column, data_args.label_column)
+    if labelled and training_args.process_index == 0:
         torch.manual_seed(training_args.seed)
         random_init = recalibrate_batch_norm(build_model(model_args, data_args.image_size).encoder, tr)
         knn = lambda enc: knn_accuracy(enc, tr, te, k=data_args.knn_k)  # noqa: E731
