@@ -238,32 +238,32 @@ class ContrastiveTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         accumulation = self.current_gradient_accumulation_steps
 
-        def check_finite(outputs):  # runs before any backward: the weights are untouched if it raises
-            if not torch.isfinite(outputs.loss):
-                raise NonFiniteLossError(f"Step {self.state.global_step}: the contrastive loss is "
-                                         f"{outputs.loss.item()} (gradient-cached step); see compute_loss "
-                                         "for the usual causes.")
-
         outputs = grad_cache_step(
             model, inputs["pixel_values"], inputs["pixel_values_2"], chunk_size,
             loss_scale=1.0 / accumulation,  # as Trainer: compute_loss returns a per-micro-batch mean
             backward=self.accelerator.backward,  # applies the fp16 grad scaler
             no_sync=functools.partial(self.accelerator.no_sync, model=model),
-            autocast=self.compute_loss_context_manager, on_loss=check_finite,
+            autocast=self.compute_loss_context_manager,
+            on_loss=lambda out: self._check_finite(out.loss),  # before any backward: weights untouched if it raises
         )
         self.contrastive_metrics.update(outputs)
         return outputs.loss / accumulation
 
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Stop with :class:`NonFiniteLossError` before a NaN/inf loss can touch the weights or the queue."""
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"Step {self.state.global_step}: the contrastive loss is {loss.item()}. Training stopped before "
+                "this step could update the weights or the queue. Likely causes: a learning rate too high (the "
+                "weights diverged), fp16 overflow in the backbone (use bf16), "
+                f"temperature={self.model.config.temperature} too low for the precision, or NaN/inf pixels in the "
+                "input batch. Resume from the last checkpoint with a lower learning rate."
+            )
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(pixel_values=inputs["pixel_values"], pixel_values_2=inputs["pixel_values_2"])
-        if model.training and not torch.isfinite(outputs.loss):
-            raise NonFiniteLossError(
-                f"Step {self.state.global_step}: the contrastive loss is {outputs.loss.item()}. Training stopped before "
-                "this step could update the weights or the queue. Likely causes: a learning rate too high (the "
-                f"weights diverged), fp16 overflow in the backbone (use bf16), temperature={model.config.temperature} "
-                "too low for the precision, or NaN/inf pixels in the input batch. Resume from the last checkpoint "
-                "with a lower learning rate."
-            )
+        if model.training:
+            self._check_finite(outputs.loss)
         if model.training:
             unwrapped = self.accelerator.unwrap_model(model)
             if outputs.queue_keys is not None:
