@@ -33,10 +33,13 @@ class ContrastiveMetrics:
         logits, labels = outputs.logits.detach(), outputs.labels  # (A, C), (A,)
         rows = torch.arange(logits.shape[0], device=logits.device)
         pos = logits[rows, labels]  # (A,)
-        finite = torch.isfinite(logits)  # SimCLR masks each anchor's own entry with -inf
-        n_neg = finite.sum(1) - 1  # (A,)
-        neg_sum = logits.masked_fill(~finite, 0).sum(1) - pos  # (A,)
-        neg_mean = torch.where(n_neg > 0, neg_sum / n_neg.clamp(min=1), torch.zeros_like(neg_sum))
+        # Entries masked with -inf per row: SimCLR masks each anchor itself (1), MoCo nothing (0). A
+        # clamp at the smallest finite logit (cosine -1) turns them into a known constant, which is far
+        # cheaper than an isfinite mask over a (256, 65537) MoCo logit matrix (about 165 ms -> 2-25 ms).
+        masked = logits.shape[1] - 1 - outputs.num_negatives
+        lo = -1.0 / self.temperature
+        total = logits.clamp(min=lo).sum(1) - masked * lo if masked else logits.sum(1)  # (A,)
+        neg_mean = (total - pos) / max(outputs.num_negatives, 1)  # (A,) 0 when there are no negatives
         z = torch.nn.functional.normalize(outputs.embeddings.detach().float(), dim=1)  # (A, D)
         values = torch.stack([
             (logits.argmax(1) == labels).float().mean(),
