@@ -27,6 +27,7 @@ from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, enqueue_, momentum_at
 from .monitors import KNNMonitor, QueueConsistencyMonitor, RepresentationMonitor, TrainingMonitor
+from .negatives import negatives_per_anchor
 from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback, NonFiniteLossError
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
@@ -78,6 +79,7 @@ __all__ = [
     "last_complete_checkpoint",
     "load_default_dataset",
     "momentum_at",
+    "negatives_per_anchor",
     "nt_xent_logits",
     "nt_xent_loss",
     "parameter_drift",

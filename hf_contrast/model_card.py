@@ -18,6 +18,8 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .negatives import negatives_per_anchor
+
 logger = logging.getLogger(__name__)
 
 TEMPLATE_NAME = "encoder_card.md.jinja"
@@ -35,22 +37,6 @@ def default_template_path() -> Path:
             "(`pip install -e .`) or pass template_path= to EncoderCardData.to_model_card."
         )
     return path
-
-
-def negatives_per_anchor(config, per_device_batch_size: int | None, world_size: int = 1) -> int | None:
-    """Negatives each anchor is contrasted with (MoCo: once the queue is full).
-
-    MoCo: ``queue_size``, whatever the batch. SimCLR: ``2 * N * W - 2`` when the views of all ``W``
-    processes are gathered (``config.gather_distributed``), else ``2 * N - 2``, for a per-device
-    batch of ``N`` images. Gradient accumulation does not enter: the loss is computed inside each
-    micro-batch. ``None`` for SimCLR when the batch size is unknown.
-    """
-    if config.model_type == "hf_contrast_moco":
-        return config.queue_size
-    if per_device_batch_size is None:
-        return None
-    world = world_size if config.gather_distributed else 1
-    return 2 * per_device_batch_size * world - 2
 
 
 def describe_augmentation(augmentation) -> str:

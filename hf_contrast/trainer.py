@@ -27,6 +27,7 @@ from .metrics import ContrastiveMetrics
 from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
 from .momentum import momentum_at
+from .negatives import negatives_per_anchor
 
 logger = logging.get_logger(__name__)
 
@@ -158,12 +159,10 @@ class ContrastiveTrainer(Trainer):
                     )
 
     def negatives_per_anchor(self) -> int:
-        """Negatives each anchor will see once training runs (MoCo: with a full queue)."""
+        """Negatives each anchor will see once training runs (MoCo: with a full queue); see
+        :func:`hf_contrast.negatives.negatives_per_anchor`."""
         model = self.accelerator.unwrap_model(self.model)
-        if self.is_moco:
-            return model.config.queue_size
-        world = self.args.world_size if model.config.gather_distributed else 1
-        return 2 * self.args.per_device_train_batch_size * world - 2
+        return negatives_per_anchor(model.config, self.args.per_device_train_batch_size, self.args.world_size)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the last COMPLETE checkpoint

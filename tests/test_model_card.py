@@ -10,7 +10,7 @@ from huggingface_hub import ModelCard
 from test_hub_export import AUGMENTATION, shared_moco_run, train_tiny
 
 from hf_contrast import EncoderCardData, MoCoConfig, MoCoModel, SimCLRConfig, SimCLRModel
-from hf_contrast.model_card import negatives_per_anchor
+from hf_contrast.negatives import negatives_per_anchor
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,22 @@
+"""How many negatives each anchor is contrasted with: the one formula the trainer, the model card,
+the planner and the monitors all call."""
+
+from __future__ import annotations
+
+MOCO_TYPES = ("hf_contrast_moco",)
+
+
+def negatives_per_anchor(config, per_device_batch_size: int | None, world_size: int = 1) -> int | None:
+    """Negatives each anchor is contrasted with (MoCo: once the queue is full).
+
+    MoCo: ``queue_size``, whatever the batch. SimCLR: ``2 * N * W - 2`` when the views of all ``W``
+    processes are gathered (``config.gather_distributed``), else ``2 * N - 2``, for a per-device
+    batch of ``N`` images. Gradient accumulation does not enter: the loss is computed inside each
+    micro-batch. ``None`` when the count depends on a batch size that is unknown.
+    """
+    if config.model_type in MOCO_TYPES:
+        return config.queue_size
+    if per_device_batch_size is None:
+        return None
+    world = world_size if getattr(config, "gather_distributed", True) else 1
+    return 2 * per_device_batch_size * world - 2
