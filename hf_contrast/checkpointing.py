@@ -12,10 +12,14 @@ import json
 import os
 import re
 
+import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 COMPLETE_MARKER = "hf_contrast_checkpoint_complete"
+RANK_BUFFERS = "rank{rank}_buffers.safetensors"
+SHARED_BUFFERS = ("queue",)  # prefixes of buffers that are identical on every process (gathered keys)
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -111,3 +115,41 @@ def check_checkpoint(directory: str, model: nn.Module) -> None:
             "would silently restart that state (e.g. an empty queue or a key encoder reset to the query "
             "encoder). Resume from a checkpoint written by ContrastiveTrainer for the same config."
         )
+
+
+def rank_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that differ between processes: BatchNorm running statistics of the query and key
+    encoders (DDP runs without ``broadcast_buffers``, so each process keeps its own). The queue is
+    left out: every process enqueues the same gathered keys."""
+    return {k: v.detach().contiguous() for k, v in model.named_buffers()
+            if not k.startswith(SHARED_BUFFERS)}
+
+
+def save_rank_buffers(directory: str, model: nn.Module, rank: int) -> None:
+    """Process ``rank`` > 0 writes its own buffers beside rank 0's ``model.safetensors``, so a resumed
+    run restores every process's BatchNorm statistics, not rank 0's on all of them."""
+    if rank == 0:
+        return
+    os.makedirs(directory, exist_ok=True)
+    save_file(rank_buffers(model), os.path.join(directory, RANK_BUFFERS.format(rank=rank)))
+
+
+def load_rank_buffers(directory: str, model: nn.Module, rank: int) -> bool:
+    """Restore the buffers process ``rank`` saved with :func:`save_rank_buffers`; False when the
+    checkpoint has none for it (rank 0, or a checkpoint written by fewer processes).
+
+    Raises:
+        CheckpointError: the file's buffers do not match the model's.
+    """
+    path = os.path.join(directory, RANK_BUFFERS.format(rank=rank))
+    if rank == 0 or not os.path.isfile(path):
+        return False
+    stored, own = load_file(path), dict(model.named_buffers())
+    if set(stored) != set(rank_buffers(model)):
+        raise CheckpointError(f"{path} does not hold this model's per-process buffers: "
+                              f"missing {sorted(set(rank_buffers(model)) - set(stored))[:5]}, "
+                              f"unexpected {sorted(set(stored) - set(own))[:5]}")
+    with torch.no_grad():
+        for name, value in stored.items():
+            own[name].copy_(value)
+    return True

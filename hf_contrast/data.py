@@ -172,14 +172,28 @@ def find_image_column(dataset: datasets.Dataset, image_column: str | None = None
     )
 
 
+def views_seed(seed: int, epoch: int, indices: list[int]) -> int:
+    """A 63-bit seed for the views of a batch, from ``numpy.random.SeedSequence`` over
+    ``(seed, epoch, *indices)``: the same on every machine and Python process (unlike ``hash()``,
+    which ``PYTHONHASHSEED`` randomises for str and differs between builds), and well mixed, so
+    neighbouring epochs or batches get unrelated random streams."""
+    words = np.random.SeedSequence([int(seed), int(epoch), *map(int, indices)]).generate_state(2, dtype=np.uint32)
+    return (int(words[0]) << 31 | int(words[1]) >> 1) & (2**63 - 1)
+
+
 class TwoViewDataset(torch.utils.data.Dataset):
     """Two augmented views of each image of a ``datasets.Dataset``, made lazily when items are read.
 
-    The views of a batch depend only on ``(seed, epoch, the batch's indices)``: a private
-    ``torch.Generator`` is seeded from them, and the global RNG is never touched. So each epoch
-    brings fresh views, while a run resumed from a checkpoint augments every batch exactly as the
-    uninterrupted run did, however many batches the resumed run skipped or prefetched. The trainer's
-    dataloader calls :meth:`set_epoch` (Accelerate forwards it to the dataset) before every epoch.
+    The views of a batch depend only on ``(seed, epoch, the batch's indices)`` (see
+    :func:`views_seed`): a private ``torch.Generator`` is seeded from them, and the global RNG is
+    never touched. So each epoch brings fresh views, while a run resumed from a checkpoint augments
+    every batch exactly as the uninterrupted run did, in any epoch, however many batches the resumed
+    run skipped or prefetched.
+
+    The epoch lives in a shared-memory tensor, so :meth:`set_epoch` in the main process reaches
+    DataLoader workers too, persistent ones included. :class:`~hf_contrast.ContrastiveTrainer`
+    calls it before every epoch itself: Accelerate forwards ``set_epoch`` to the dataset only when
+    the sampler has none, which is never the case under DDP or on resume.
 
     Items are ``{"pixel_values": (3, S, S), "pixel_values_2": (3, S, S)}`` float tensors.
     """
@@ -192,12 +206,16 @@ class TwoViewDataset(torch.utils.data.Dataset):
         self.augmentation = augmentation
         self.image_column = find_image_column(dataset, image_column)
         self.seed = seed
-        self.epoch = 0
+        self._epoch = torch.zeros((), dtype=torch.long).share_memory_()  # seen by forked/spawned workers
 
     column_names = ["pixel_values", "pixel_values_2"]
 
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        self._epoch.fill_(int(epoch))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -209,7 +227,7 @@ class TwoViewDataset(torch.utils.data.Dataset):
         """A DataLoader fetches a whole batch through this: B images augmented at once."""
         indices = [int(i) for i in indices]
         images = self._images(indices)
-        generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, tuple(indices))) & (2**63 - 1))
+        generator = torch.Generator().manual_seed(views_seed(self.seed, self.epoch, indices))
         v1, v2 = self.augmentation.batch(images, generator=generator)  # (B, 3, S, S) each
         return [{"pixel_values": a, "pixel_values_2": b} for a, b in zip(v1, v2, strict=True)]
 

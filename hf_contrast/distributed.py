@@ -89,3 +89,9 @@ def batch_unshuffle(x: torch.Tensor, unshuffle: torch.Tensor | None) -> torch.Te
     x_all = gather_no_grad(x)  # (B * W, ...) in shuffled order
     mine = unshuffle.view(world_size(), -1)[rank()]
     return x_all[mine]
+
+
+def barrier() -> None:
+    """Wait for every process (a no-op on one process)."""
+    if is_distributed():
+        dist.barrier()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 
 from . import distributed
@@ -19,7 +19,9 @@ from .checkpointing import (
     incomplete_checkpoints,
     is_complete,
     last_complete_checkpoint,
+    load_rank_buffers,
     mark_complete,
+    save_rank_buffers,
 )
 from .grad_cache import grad_cache_step
 from .hub import push_encoder_to_hub
@@ -82,6 +84,25 @@ class MomentumCallback(TrainerCallback):
         model.momentum_update(self.last_momentum)
 
 
+class EpochCallback(TrainerCallback):
+    """Tells the training dataset which epoch starts, on every path.
+
+    Accelerate's ``DataLoaderShard.set_epoch`` forwards the epoch to the dataset only when the
+    sampler has no ``set_epoch`` of its own, which is never the case under DDP
+    (``BatchSamplerShard``) or on resume (``SkipBatchSampler``): a resumed run would augment with the
+    seeds of epoch 0. ``on_epoch_begin`` runs before the epoch's dataloader iterator is created, and
+    ``state.epoch`` is then the (fractional, on resume) epoch reached so far.
+    """
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        dataset = self.trainer.train_dataset
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(math.floor((state.epoch or 0.0) + 1e-6))
+
+
 class ContrastiveTrainer(Trainer):
     """Trainer for :class:`MoCoModel` and :class:`SimCLRModel`.
 
@@ -108,6 +129,7 @@ class ContrastiveTrainer(Trainer):
             )
         super().__init__(model=model, args=args, **kwargs)
         self.is_moco = isinstance(model, MoCoModel)
+        self.add_callback(EpochCallback(self))
         self.momentum_callback = MomentumCallback() if self.is_moco else None
         if self.momentum_callback is not None:
             self.add_callback(self.momentum_callback)
@@ -206,15 +228,35 @@ class ContrastiveTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Refuse checkpoints that lack any tensor of the model (queue, key encoder, ...) before
-        transformers' lenient (``strict=False``) load."""
-        check_checkpoint(resume_from_checkpoint, self.accelerator.unwrap_model(model or self.model))
+        transformers' lenient (``strict=False``) load; then restore this process's own BatchNorm
+        statistics (ranks > 0)."""
+        unwrapped = self.accelerator.unwrap_model(model or self.model)
+        check_checkpoint(resume_from_checkpoint, unwrapped)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        rank = self.args.process_index
+        if not load_rank_buffers(resume_from_checkpoint, unwrapped, rank) and rank > 0:
+            logger.warning(f"{resume_from_checkpoint} holds no buffers of process {rank} (written by fewer processes?): "
+                           "it starts from rank 0's BatchNorm statistics")
 
     def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        """Trainer's checkpoint, plus each process's own buffers, then the completion marker once every
+        process has written its part, and only then the rotation of old checkpoints (transformers rotates
+        before our marker exists: with ``save_total_limit=1`` a kill in that window left no complete
+        checkpoint)."""
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # no rotation inside: the new checkpoint is not complete yet
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        save_rank_buffers(folder, self.accelerator.unwrap_model(self.model), self.args.process_index)
+        distributed.barrier()  # every process's files are on disk
         if self.args.should_save and os.path.isdir(folder):
-            mark_complete(folder)  # last: weights, optimizer, RNG and trainer state are all on disk
+            mark_complete(folder)  # last: weights, optimizer, RNG, trainer state and every rank's buffers
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step; for SimCLR with ``grad_cache_chunk_size`` set, the gradient-cached step.

@@ -102,3 +102,31 @@ def test_checkpoint_missing_queue_or_key_encoder_is_refused(reference, tmp_path)
     torch.save(weights, broken / "pytorch_model.bin")  # a pickle: never loaded
     with pytest.raises(CheckpointError, match="never loads pickled weights"):
         trainer.train(resume_from_checkpoint=str(broken))
+
+
+def test_rotation_keeps_the_last_complete_checkpoint_until_the_new_one_is_marked(tmp_path, monkeypatch):
+    """save_total_limit=1: a death after transformers wrote checkpoint-6 but before it was marked
+    complete must leave checkpoint-3 (complete) on disk to resume from."""
+    import hf_contrast.trainer as trainer_module
+    from hf_contrast import last_complete_checkpoint
+
+    real_mark = trainer_module.mark_complete
+
+    def die_at_6(folder):
+        if folder.endswith("checkpoint-6"):
+            raise KeyboardInterrupt("killed before the marker")
+        real_mark(folder)
+
+    monkeypatch.setattr(trainer_module, "mark_complete", die_at_6)
+    trainer = crash_train.build_trainer(str(tmp_path))
+    trainer.args.save_total_limit = 1
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert (tmp_path / "checkpoint-6" / "trainer_state.json").exists()  # transformers' part was written
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")
+    monkeypatch.setattr(trainer_module, "mark_complete", real_mark)
+    resumed = crash_train.build_trainer(str(tmp_path))
+    resumed.args.save_total_limit = 1
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 8
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-8"]  # rotated after marking
