@@ -14,6 +14,7 @@ from .configuration import MoCoConfig
 from .losses import info_nce_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .momentum import ema_update_, enqueue_
+from .split_batch_norm import convert_split_batch_norm, split_batch_norm
 
 logger = logging.get_logger(__name__)
 
@@ -44,6 +45,9 @@ class MoCoModel(ContrastivePreTrainedModel):
         self.encoder, self.projector = build_encoder_and_head(config)
         self.key_encoder = copy.deepcopy(self.encoder)
         self.key_projector = copy.deepcopy(self.projector)
+        if config.shuffle_bn and config.key_bn_splits > 1:  # one-process split-BN, active only in encode_keys
+            convert_split_batch_norm(self.key_encoder)
+            convert_split_batch_norm(self.key_projector)
         self._freeze_key_side()
         queue = F.normalize(torch.randn(config.queue_size, config.projection_dim), dim=1)
         self.register_buffer("queue", queue)
@@ -89,10 +93,12 @@ class MoCoModel(ContrastivePreTrainedModel):
         self.queue_filled.clamp_(min=0).add_(keys.shape[0]).clamp_(max=self.queue.shape[0])
 
     def negatives(self) -> torch.Tensor:
-        """A detached snapshot of the filled part of the queue ``(K_filled, D)``.
+        """The filled part of the queue ``(K_filled, D)``, detached.
 
-        A copy, so that enqueuing after the loss cannot modify a tensor saved for backward."""
-        return self.queue[: int(self.queue_filled)].detach().clone()
+        No copy is needed: the loss L2-normalises it into a new tensor, which is what autograd saves,
+        so enqueuing in place after the loss cannot modify a tensor saved for backward (a copy would
+        cost 32 MiB per step at K=65536)."""
+        return self.queue[: int(self.queue_filled)].detach()
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         return self.projector(self.encoder(x))  # (B, D)
@@ -107,12 +113,15 @@ class MoCoModel(ContrastivePreTrainedModel):
             x, unshuffle = distributed.batch_shuffle(x)
             k = F.normalize(self.key_projector(self.key_encoder(x)).float(), dim=1)
             return distributed.batch_unshuffle(k, unshuffle)
-        # one process: shuffle, then normalise keys in sub-batches, so that a key's BatchNorm
-        # statistics come from a random subset instead of the query's batch
-        splits = max(1, min(self.config.key_bn_splits, x.shape[0] // 2))
-        perm = torch.randperm(x.shape[0], device=x.device)
-        k = torch.cat([self.key_projector(self.key_encoder(c)) for c in x[perm].chunk(splits)])
-        return F.normalize(k.float(), dim=1)[torch.argsort(perm)]
+        # one process: normalise the shuffled keys in S sub-batches (split-BN), in one forward, so that
+        # a key's BatchNorm statistics come from a random subset instead of the query's batch
+        splits = self.config.key_bn_splits
+        if splits == 1:
+            return F.normalize(self.key_projector(self.key_encoder(x)).float(), dim=1)  # (B, D)
+        perm = torch.randperm(x.shape[0], device=x.device)  # (B,) sub-batch k holds rows perm[k::S]
+        with split_batch_norm([self.key_encoder, self.key_projector], splits):
+            k = self.key_projector(self.key_encoder(x[perm]))  # (B, D) in shuffled order
+        return F.normalize(k.float(), dim=1)[torch.argsort(perm)]  # (B, D) back in the query's order
 
     def forward(
         self,

@@ -31,6 +31,14 @@ def ema_update_(target: Iterable[torch.Tensor], source: Iterable[torch.Tensor], 
     target, source = list(target), list(source)
     if len(target) != len(source):
         raise ValueError(f"EMA needs matching parameter lists, got {len(target)} and {len(source)} tensors")
+    low = sorted({str(t.dtype) for t in target if t.dtype not in (torch.float32, torch.float64)})
+    if low:
+        raise ValueError(
+            f"The EMA target holds {', '.join(low)} parameters; it must be float32 (or float64). In bfloat16, "
+            f"theta_k <- m * theta_k + (1 - m) * theta_q rounds back to theta_k for m close to 1 (at m = 0.999 "
+            "the key encoder never moves). Keep the weights in float32 and train in mixed precision "
+            "(TrainingArguments(bf16=True) autocasts the forward), instead of casting the model."
+        )
     torch._foreach_mul_(target, momentum)
     torch._foreach_add_(target, source, alpha=1.0 - momentum)
 

@@ -162,6 +162,14 @@ class ContrastiveTrainer(Trainer):
                     + (" x 2 views (symmetric_loss)" if cfg.symmetric_loss else "") + "): each step would overwrite "
                     "the whole queue. Use queue_size >= that (65536 in MoCo) or a smaller batch."
                 )
+            splits = cfg.key_bn_splits if cfg.shuffle_bn and a.world_size == 1 else 1
+            b = a.per_device_train_batch_size
+            if splits > 1 and (b % splits or b // splits < 2):
+                raise ValueError(
+                    f"per_device_train_batch_size={b} cannot be split into key_bn_splits={splits} equal sub-batches of "
+                    f"at least 2 images (split-BN on one process): use a batch that is a multiple of {splits} and at "
+                    f"least {2 * splits}, or key_bn_splits=1."
+                )
         elif self.negatives_per_anchor() < 1:
             raise ValueError(
                 f"per_device_train_batch_size={a.per_device_train_batch_size} gives SimCLR no negatives "

@@ -48,20 +48,48 @@ def test_moco_forward_matches_paper_pseudocode_and_does_not_touch_queue():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.encoder.parameters())
 
 
-def test_moco_enqueue_after_backward_is_safe_and_fifo():
-    m = moco(queue_size=5)
+def test_moco_enqueue_after_loss_is_safe_without_a_copy_and_fifo():
+    m = moco(queue_size=5, key_bn_splits=1)
     x1, x2 = views(3)
+    m.enqueue(F.normalize(torch.randn(5, 16), dim=1))
+    # the hazard: a loss over the live queue cannot back-propagate once the queue is written in place
+    hazard = (m.projector(m.encoder(x1)) @ m.queue.T).sum()
+    m.enqueue(F.normalize(torch.randn(2, 16), dim=1))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        hazard.backward()
+    # the model's negatives are the live queue, not a 32 MiB copy, and yet safe: the loss normalises
+    # them into a new tensor, which is what autograd saves
+    assert m.negatives().data_ptr() == m.queue.data_ptr()
     for _step in range(3):
         out = m(x1, x2)
         m.enqueue(out.queue_keys)  # in place write after the loss used the queue
-        out.loss.backward()  # would raise if the logits had used the live queue
-    assert int(m.queue_filled) == 5 and int(m.queue_ptr) == 9 % 5
+        out.loss.backward()
+    assert int(m.queue_filled) == 5 and int(m.queue_ptr) == (2 + 9) % 5
 
 
 def test_moco_symmetric_loss_uses_both_views():
-    m = moco(symmetric_loss=True)
-    out = m(*views())
-    assert out.logits.shape[0] == 8 and out.queue_keys.shape == (8, 16)
+    """Loss = mean of InfoNCE(q1, k2) and InfoNCE(q2, k1), both against the SAME pre-step queue;
+    keys to enqueue are [k2; k1]; the forward enqueues nothing (lightly #564 is this bug in a peer)."""
+    m = moco(symmetric_loss=True, key_bn_splits=1)  # deterministic keys: one BN batch per view
+    m.enqueue(F.normalize(torch.randn(7, 16), dim=1))
+    negatives = m.queue[:7].clone()
+    x1, x2 = views()
+    out = m(x1, x2)
+    with torch.no_grad():
+        k1 = F.normalize(m.key_projector(m.key_encoder(x1)), dim=1)
+        k2 = F.normalize(m.key_projector(m.key_encoder(x2)), dim=1)
+        q1 = F.normalize(m.projector(m.encoder(x1)), dim=1)
+        q2 = F.normalize(m.projector(m.encoder(x2)), dim=1)
+
+    def info_nce(q, k):  # paper pseudocode: l_pos = q.k, l_neg = q.queue, CE with label 0
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ negatives.T], 1) / 0.2
+        return F.cross_entropy(logits, torch.zeros(len(q), dtype=torch.long), reduction="none")
+
+    want = torch.cat([info_nce(q1, k2), info_nce(q2, k1)]).mean()
+    assert out.loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert out.loss.item() != pytest.approx(info_nce(q1, k2).mean().item(), rel=1e-3)  # not one half only
+    torch.testing.assert_close(out.queue_keys, torch.cat([k2, k1]), rtol=1e-5, atol=1e-5)
+    assert int(m.queue_filled) == 7 and torch.equal(m.queue[:7], negatives)
 
 
 def test_momentum_update_on_model_is_exact_and_skips_buffers():
@@ -87,7 +115,7 @@ def test_simclr_forward_counts_negatives():
 
 def test_save_load_round_trip_every_tensor(tmp_path):
     m = moco()
-    out = m(*views())
+    out = m(*views(8))  # split-BN: 4 sub-batches of 2
     m.enqueue(out.queue_keys)
     m.momentum_update(0.5)
     m.save_pretrained(tmp_path)

@@ -56,3 +56,21 @@ def test_queue_is_fifo_for_any_size(size, batches):
         newest = written[-size:]
         assert [x for x in ring if x >= 0] == newest
     assert int(ptr) == sum(batches) % size
+
+
+def test_ema_refuses_bfloat16_targets_where_it_would_do_nothing():
+    k, q = [torch.ones(4, dtype=torch.bfloat16)], [torch.full((4,), 2.0, dtype=torch.bfloat16)]
+    assert torch.equal(0.999 * k[0] + 0.001 * q[0], k[0])  # the defect: a bf16 EMA step at m=0.999 is a no-op
+    with pytest.raises(ValueError, match="bfloat16 parameters; it must be float32"):
+        ema_update_(k, q, 0.999)
+    assert torch.equal(k[0], torch.ones(4, dtype=torch.bfloat16))  # refused before touching anything
+
+
+def test_model_in_bfloat16_refuses_the_momentum_update():
+    from conftest import TINY
+
+    from hf_contrast import MoCoConfig, MoCoModel
+
+    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=8, **TINY)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="TrainingArguments\\(bf16=True\\)"):
+        model.momentum_update(0.999)
