@@ -1,5 +1,9 @@
 """The model card of an exported encoder: the facts as data (:class:`EncoderCardData`), a Jinja
-template in ``model_cards/`` for the prose, and a plot of the training curves.
+template for the prose, and a plot of the training curves.
+
+The template lives in the repository's top-level ``model_cards/`` folder (where users edit it) and is
+shipped inside the wheel as the package data ``hf_contrast.model_cards`` (``pyproject.toml`` maps that
+folder onto the package), so a wheel install renders cards without the source tree.
 
 The card states what most contrastive checkpoints leave out: how many negatives each anchor was
 trained against and where they came from (the per-device batch, the number of processes, whether
@@ -10,6 +14,7 @@ accumulation added none.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import logging
 import math
 from dataclasses import dataclass, field
@@ -28,15 +33,18 @@ METHOD_NAMES = {"hf_contrast_moco": "MoCo", "hf_contrast_simclr": "SimCLR"}
 _CURVE_KEYS = (("loss", "contrastive loss"), ("contrastive_top1", "contrastive top-1"), ("knn_top1", "kNN top-1"))
 
 
-def default_template_path() -> Path:
-    """``model_cards/encoder_card.md.jinja`` of the source tree (the package is installed editable)."""
-    path = Path(__file__).resolve().parent.parent / "model_cards" / TEMPLATE_NAME
-    if not path.is_file():
+def default_template_text() -> str:
+    """The text of the packaged template ``hf_contrast.model_cards/encoder_card.md.jinja``.
+
+    Read with :mod:`importlib.resources`, so it works from a wheel, a zip and an editable install alike.
+    """
+    resource = importlib.resources.files("hf_contrast.model_cards").joinpath(TEMPLATE_NAME)
+    if not resource.is_file():
         raise FileNotFoundError(
-            f"The model card template {path} is missing: install hf_contrast from its source tree "
-            "(`pip install -e .`) or pass template_path= to EncoderCardData.to_model_card."
+            f"The model card template {TEMPLATE_NAME} is missing from the package hf_contrast.model_cards: "
+            "reinstall hf_contrast, or pass template_path= to EncoderCardData.to_model_card."
         )
-    return path
+    return resource.read_text(encoding="utf-8")
 
 
 def describe_augmentation(augmentation) -> str:
@@ -250,13 +258,16 @@ class EncoderCardData:
         """Render the Jinja template with this data.
 
         Args:
-            template_path: a Jinja template; default ``model_cards/encoder_card.md.jinja``.
+            template_path: a Jinja template file; default: the packaged ``encoder_card.md.jinja``.
             curves_file: file name of the training-curve plot next to the card, if one was written.
         """
-        template_path = template_path or default_template_path()
+        if template_path is not None:
+            template_text = Path(template_path).read_text(encoding="utf-8")
+        else:
+            template_text = default_template_text()
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "log_history"}
         return ModelCard.from_template(
-            self.to_model_card_data(), template_path=str(template_path),
+            self.to_model_card_data(), template_str=template_text,
             card=values, global_batch_size=self.global_batch_size, negatives_explanation=self.negatives_explanation,
             accumulation_note=self.accumulation_note, final_metrics=self.final_metrics(), curves_file=curves_file,
             load_name=self.repo_id,

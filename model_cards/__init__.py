@@ -1,0 +1,1 @@
+"""Package data: the Jinja model card template (installed as ``hf_contrast.model_cards``)."""
