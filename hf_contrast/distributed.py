@@ -95,3 +95,20 @@ def barrier() -> None:
     """Wait for every process (a no-op on one process)."""
     if is_distributed():
         dist.barrier()
+
+
+def non_finite_ranks(value: torch.Tensor) -> list[int]:
+    """The processes whose ``value`` holds a NaN or inf, agreed by all processes.
+
+    One all-reduce of a ``(world_size,)`` float vector (each process sets its own slot), then one
+    device-to-host copy to read it: a few microseconds on one node, and the host sync is the one the
+    finiteness check needs anyway. Every process gets the same list, so all of them can stop at the
+    same step instead of the healthy ones hanging in the next collective.
+    """
+    bad = (~torch.isfinite(value.detach())).any().to(torch.float32)  # () 1.0 if this process has NaN/inf
+    if not is_distributed():
+        return [0] if bool(bad) else []
+    flags = torch.zeros(world_size(), device=value.device)  # (W,)
+    flags[rank()] = bad
+    dist.all_reduce(flags)  # (W,) slot r = 1 where process r is non-finite
+    return [r for r, f in enumerate(flags.tolist()) if f > 0]

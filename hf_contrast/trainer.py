@@ -299,15 +299,26 @@ class ContrastiveTrainer(Trainer):
         return outputs.loss / accumulation
 
     def _check_finite(self, loss: torch.Tensor) -> None:
-        """Stop with :class:`NonFiniteLossError` before a NaN/inf loss can touch the weights or the queue."""
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"Step {self.state.global_step}: the contrastive loss is {loss.item()}. Training stopped before "
-                "this step could update the weights or the queue. Likely causes: a learning rate too high (the "
-                "weights diverged), fp16 overflow in the backbone (use bf16), "
-                f"temperature={self.model.config.temperature} too low for the precision, or NaN/inf pixels in the "
-                "input batch. Resume from the last checkpoint with a lower learning rate."
-            )
+        """Stop with :class:`NonFiniteLossError` before a NaN/inf loss can touch the weights or the queue.
+
+        The processes agree first (:func:`hf_contrast.distributed.non_finite_ranks`, one scalar-per-rank
+        all-reduce per micro-batch): a NaN on one process stops every process at the same step with the
+        same error, instead of the healthy ones dying in (gloo) or hanging on (NCCL) the next collective.
+        """
+        bad = distributed.non_finite_ranks(loss)
+        if not bad:
+            return
+        local = loss.detach().float()
+        value = ("nan" if local.isnan().any() else "inf") if not torch.isfinite(local).all() else "finite here"
+        where = f" (not finite on process {', '.join(map(str, bad))} of {self.args.world_size})" \
+            if self.args.world_size > 1 else ""
+        raise NonFiniteLossError(
+            f"Step {self.state.global_step}: the contrastive loss is {value}{where}. Training stopped on every "
+            "process before this step could update the weights or the queue. Likely causes: a learning rate too "
+            "high (the weights diverged), fp16 overflow in the backbone (use bf16), "
+            f"temperature={self.model.config.temperature} too low for the precision, or NaN/inf pixels in the "
+            "input batch. Resume from the last checkpoint with a lower learning rate."
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(pixel_values=inputs["pixel_values"], pixel_values_2=inputs["pixel_values_2"])
