@@ -106,8 +106,9 @@ class MoCoModel(ContrastivePreTrainedModel):
     @torch.no_grad()
     def encode_keys(self, x: torch.Tensor) -> torch.Tensor:
         """L2-normalised keys ``(B, D)`` of images ``(B, C, H, W)``, exactly as training makes them: key
-        encoder under no_grad, with shuffle-BN (across processes) or split-BN (one process)."""
-        if not self.config.shuffle_bn:
+        encoder under no_grad, with shuffle-BN (across processes) or split-BN (one process). In eval mode
+        BatchNorm uses its running statistics, so there is nothing to shuffle (and no RNG is drawn)."""
+        if not self.config.shuffle_bn or not self.training:
             return F.normalize(self.key_projector(self.key_encoder(x)).float(), dim=1)  # (B, D)
         if distributed.is_distributed():
             x, unshuffle = distributed.batch_shuffle(x)
