@@ -50,27 +50,39 @@ def batch_norm_layers(model: nn.Module) -> list[str]:
 
 
 class RngState:
-    """The CPU RNG state and that of ``device`` (if an accelerator), captured now, replayable later."""
+    """The CPU RNG state and that of the accelerator ``device`` (the inputs' device, which need not be the
+    current device), captured now, replayable later."""
 
     def __init__(self, device: torch.device):
-        self.cpu = torch.get_rng_state()
+        device = torch.device(device)
+        self.device = device
         self.module = None if device.type == "cpu" else torch.get_device_module(device.type)
-        self.accelerator = None if self.module is None else self.module.get_rng_state()
+        self.cpu = torch.get_rng_state()
+        self.accelerator = None if self.module is None else self._get()
+
+    def _get(self) -> torch.Tensor:
+        return self.module.get_rng_state(self.device) if self.device.index is not None else self.module.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.index is not None:
+            self.module.set_rng_state(state, self.device)
+        else:
+            self.module.set_rng_state(state)
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         """Run the block with the captured states, then restore the states the block found."""
         cpu_now = torch.get_rng_state()
-        accelerator_now = None if self.module is None else self.module.get_rng_state()
+        accelerator_now = None if self.module is None else self._get()
         torch.set_rng_state(self.cpu)
         if self.module is not None:
-            self.module.set_rng_state(self.accelerator)
+            self._set(self.accelerator)
         try:
             yield
         finally:
             torch.set_rng_state(cpu_now)
             if self.module is not None:
-                self.module.set_rng_state(accelerator_now)
+                self._set(accelerator_now)
 
 
 @contextlib.contextmanager

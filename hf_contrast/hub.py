@@ -144,7 +144,10 @@ def push_encoder_to_hub(source, repo_id: str | None = None, *, token: str | None
     api = HfApi(endpoint=endpoint, token=token, library_name="hf_contrast")
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision)
+        # delete_patterns="*": files of an earlier push that this export lacks are deleted in the same
+        # commit, so the repo holds exactly the export (a stale plot or weights file would mislead)
+        info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, revision=revision,
+                                 delete_patterns="*")
     except Exception as e:  # network, HTTP and authentication errors of every kind
         logger.error(f"Push to {repo_id} failed. {keep}")
         raise HubPushError(f"Pushing the encoder to {repo_id} at {endpoint} failed ({type(e).__name__}: {e}). "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import os
@@ -137,17 +138,18 @@ class ContrastiveTrainer(Trainer):
         self._collapse_windows = 0
         self._validate_setup()
         if not self.is_moco and args.world_size > 1 and not model.config.gather_distributed:
+            as_gathered = copy.copy(model.config)
+            as_gathered.gather_distributed = True
+            gathered = negatives_per_anchor(as_gathered, args.per_device_train_batch_size, args.world_size)
             logger.warning(
                 f"gather_distributed=False on {args.world_size} processes: each anchor sees only its own device's "
-                f"{2 * args.per_device_train_batch_size - 2} negatives, not the "
-                f"{2 * args.per_device_train_batch_size * args.world_size - 2} of the global batch."
+                f"{self.negatives_per_anchor()} negatives, not the {gathered} of the global batch."
             )
         if not self.is_moco and args.gradient_accumulation_steps > 1:
             logger.warning(
                 f"gradient_accumulation_steps={args.gradient_accumulation_steps} does not add negatives: "
                 "the NT-Xent loss is computed inside each micro-batch, so each anchor still has "
-                f"2 * per_device_train_batch_size * world_size - 2 negatives. Accumulation only averages "
-                "gradients over more images."
+                f"{self.negatives_per_anchor()} negatives. Accumulation only averages gradients over more images."
             )
 
     def _validate_setup(self) -> None:

@@ -238,3 +238,28 @@ def test_two_processes_equal_one_process_full_batch(tmp_path):
     plain = {k[6:]: v for k, v in two.items() if k.startswith("plain.")}
     assert_grads_close(cached, plain)  # weights after 2 steps of 2 micro-batches, DDP through accelerate
     assert not torch.equal(plain["projector.0.weight"], model.projector[0].weight)  # training moved them
+
+
+def test_rng_replay_uses_the_inputs_device_not_the_current_one(monkeypatch):
+    """Inputs on ``cuda:1`` while the current device is ``cuda:0``: the replayed generator must be cuda:1's.
+    No machine here has two accelerators, so the device module is a stand-in that keeps one state per
+    device index (the only fake in this file; the CUDA path itself runs in benchmarks/gpu_check.py)."""
+    from hf_contrast.grad_cache import RngState
+
+    class TwoDevices:
+        states = {0: torch.tensor([0]), 1: torch.tensor([1])}
+
+        def get_rng_state(self, device="cuda"):
+            return self.states[torch.device(device).index or 0].clone()
+
+        def set_rng_state(self, state, device="cuda"):
+            self.states[torch.device(device).index or 0] = state.clone()
+
+    fake = TwoDevices()
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: fake)
+    saved = RngState(torch.device("cuda", 1))
+    assert int(saved.accelerator) == 1  # captured from the inputs' device
+    fake.states[1] = torch.tensor([7])  # the chunk's forward advanced cuda:1's generator
+    with saved.replay():
+        assert int(fake.states[1]) == 1 and int(fake.states[0]) == 0  # cuda:1 replayed, cuda:0 untouched
+    assert int(fake.states[1]) == 7  # and restored afterwards

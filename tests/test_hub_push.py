@@ -69,8 +69,9 @@ CLIENT = textwrap.dedent(r'''
     report["first_commit"] = hf_contrast.push_encoder_to_hub(export, repo).oid
     # 2. push again from a model: updates the existing repo (a new card with a kNN result)
     model = hf_contrast.MoCoModel.from_pretrained(full)
+    second = os.path.join(os.path.dirname(sys.argv[4]), "second_export")  # no trainer: no curves plot
     report["second_commit"] = hf_contrast.push_encoder_to_hub(
-        model, repo, augmentation=hf_contrast.TwoViewAugmentation.small_images(32, mean=(0.133,) * 3, std=(0.31,) * 3),
+        model, repo, export_dir=second, augmentation=hf_contrast.TwoViewAugmentation.small_images(32, mean=(0.133,) * 3, std=(0.31,) * 3),
         knn_top1=0.1234, commit_message="update").oid
     # 3. an unreachable endpoint: a clear error, the export untouched
     try:
@@ -98,7 +99,7 @@ CLIENT = textwrap.dedent(r'''
     card = ModelCard.load(repo)
     report["card"] = {"library_name": card.data.library_name, "pipeline_tag": card.data.pipeline_tag,
                       "text": card.text}
-    report["curves_size"] = os.path.getsize(hf_hub_download(repo, "training_curves.png"))
+    report["curves_size"] = os.path.getsize(hf_hub_download(repo, "training_curves.png", revision=report["first_commit"]))
     # 6. training/pretrain.py --push_to_hub, in this process (an interpreter start costs seconds)
     os.environ["HF_TOKEN"] = sys.argv[5]
     sys.path.insert(0, sys.argv[6])
@@ -145,7 +146,8 @@ def client(hub, trained, digits, tmp_path_factory):
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    return report, load_file(tmp / "out.st"), before, tmp / "pretrain"
+    second_export = {p.name: p.read_bytes() for p in (tmp / "second_export").iterdir()}
+    return report, load_file(tmp / "out.st"), before, tmp / "pretrain", second_export
 
 
 def test_push_creates_then_updates_the_repo_with_the_export(hub, trained, client):
@@ -154,9 +156,11 @@ def test_push_creates_then_updates_the_repo_with_the_export(hub, trained, client
     repo = hub.repos[REPO]
     assert len(repo.commits) == 3  # the empty repo, then two pushes
     assert report["first_commit"] != report["second_commit"] == repo.head[0]
-    files = hub.files(REPO)
-    assert set(files) == EXPORT_FILES  # the repo root holds exactly the export
-    assert files["config.json"] == (export / "config.json").read_bytes()
+    first = {p.name: p.read_bytes() for p in export.iterdir()}
+    assert set(first) == EXPORT_FILES and repo.commits[1][1] == first  # first push: the trainer's export
+    files, second = hub.files(REPO), client[4]
+    assert "training_curves.png" not in second  # exported from a model: no training curves
+    assert files == second  # the repo root holds exactly the second export: the stale plot was deleted
     assert b"0.1234" in files["README.md"] and b"0.1234" not in repo.commits[1][1]["README.md"]
 
 
@@ -169,7 +173,7 @@ def test_pull_by_repo_id_gives_the_trained_features_and_the_card(hub, trained, c
     card = report["card"]
     assert card["library_name"] == "timm" and card["pipeline_tag"] == "image-feature-extraction"
     assert "**32 negatives**" in card["text"] and f'"hf-hub:{REPO}"' in card["text"]
-    assert report["curves_size"] == len(hub.files(REPO)["training_curves.png"]) > 1000
+    assert report["curves_size"] == len(hub.repos[REPO].commits[1][1]["training_curves.png"]) > 1000  # first push
 
 
 def test_failed_pushes_say_what_to_change_and_lose_nothing(hub, trained, client):
