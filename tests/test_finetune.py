@@ -72,7 +72,9 @@ def test_random_init_is_timms_init_of_the_same_architecture(export):
 
 
 def test_finetune_script_trains_a_transformers_classifier(export, digits, tmp_path):
-    from transformers import AutoModelForImageClassification
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    from hf_contrast.data import to_rgb
 
     directory, _ = export
     argv = ["--model_name_or_path", str(directory), "--max_train_samples", "64", "--max_eval_samples", "64",
@@ -80,8 +82,16 @@ def test_finetune_script_trains_a_transformers_classifier(export, digits, tmp_pa
             "--use_cpu", "--disable_tqdm", "true", "--compare_random_init"]
     results = finetune.main(argv, dataset=digits)
     assert set(results) == {"accuracy_pretrained", "accuracy_random_init"}
-    assert all(0 <= v <= 1 for v in results.values())
     tuned = AutoModelForImageClassification.from_pretrained(tmp_path / "model")  # loads without hf_contrast code
     assert tuned.config.num_labels == 10 and type(tuned).__name__ == "TimmWrapperForImageClassification"
+    # the reported accuracy is the saved classifier's on the 64 test digits, recomputed here by hand
+    processor = AutoImageProcessor.from_pretrained(directory)
+    test = digits["test"].select(range(64))
+    pixels = processor([to_rgb(im) for im in test["image"]], return_tensors="pt")["pixel_values"]  # (64, 3, H, W)
+    with torch.no_grad():
+        predicted = tuned.eval()(pixel_values=pixels).logits.argmax(1)  # (64,)
+    by_hand = (predicted == torch.tensor(test["label"])).float().mean().item()
+    assert results["accuracy_pretrained"] == pytest.approx(by_hand, abs=1e-9)
+    assert 0 <= results["accuracy_random_init"] <= 1
     start = load_file(directory / "model.safetensors")["conv1.0.weight"]
     assert not torch.equal(tuned.timm_model.state_dict()["conv1.0.weight"], start)  # trained from the export

@@ -184,22 +184,12 @@ def run_loaders(exports: dict, tmp_path, pythonpath: str | None = None):
     return json.loads(result.stdout.strip().splitlines()[-1]), load_file(tmp_path / "loaders.safetensors")
 
 
-# timm 1.0.30 does not have the save_for_hf trap of 1.0.31; point this at an unpacked timm 1.0.30
-# wheel (e.g. `pip download timm==1.0.30 --no-deps` then unzip) to check the export with it too.
-OTHER_TIMM = os.environ.get("HF_CONTRAST_OTHER_TIMM")
-
-
-@pytest.mark.parametrize("other_timm", [None, pytest.param(OTHER_TIMM, marks=pytest.mark.skipif(
-    not OTHER_TIMM, reason="set HF_CONTRAST_OTHER_TIMM to an unpacked timm wheel"))], ids=["installed", "other"])
-def test_every_loader_gives_the_trained_features_without_hf_contrast(moco_run, simclr_vit, digits, tmp_path,
-                                                                     other_timm):
+def test_every_loader_gives_the_trained_features_without_hf_contrast(moco_run, simclr_vit, digits, tmp_path):
     model, export, tmp = simclr_vit
     expected = {"moco_resnet": moco_run[4], "simclr_vit": expected_features(model.encoder, digits, tmp)}
-    meta, out = run_loaders({"moco_resnet": moco_run[2], "simclr_vit": export}, tmp_path, other_timm)
+    meta, out = run_loaders({"moco_resnet": moco_run[2], "simclr_vit": export}, tmp_path)
 
     assert meta["hf_contrast_imported"] is False
-    if other_timm:
-        assert meta["timm"] != __import__("timm").__version__
     for name, ref in expected.items():
         assert meta[f"{name}/auto_class"] == "TimmWrapperModel"
         assert meta[f"{name}/processor_class"] == "TimmWrapperImageProcessor"

@@ -70,15 +70,22 @@ def test_losses_stable_at_low_temperature():
 
 
 def test_losses_run_in_fp32_under_autocast():
+    """Under bf16 autocast the losses upcast their inputs and compute in fp32: the result equals the fp32
+    loss of the bf16-rounded inputs to 1e-6 (a bf16 matmul inside would be off by about 1e-2)."""
     g = torch.Generator().manual_seed(1)
     z_a, z_b = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
-    ref = nt_xent_loss(z_a, z_b, 0.05)
+    queue = F.normalize(torch.randn(64, 16, generator=g), dim=1)
+    rounded = [x.bfloat16() for x in (z_a, z_b, queue)]
+    ref_nt = nt_xent_loss(rounded[0].float(), rounded[1].float(), 0.05)
+    ref_info = info_nce_loss(rounded[0].float(), rounded[1].float(), rounded[2].float(), 0.05)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, _ = nt_xent_logits(z_a.bfloat16(), z_b.bfloat16(), 0.05)
-        loss = nt_xent_loss(z_a.bfloat16(), z_b.bfloat16(), 0.05)
-    assert logits.dtype == torch.float32
-    # only the bf16 rounding of the inputs differs, not the math
-    assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
+        logits, _ = nt_xent_logits(rounded[0], rounded[1], 0.05)
+        loss_nt = nt_xent_loss(rounded[0], rounded[1], 0.05)
+        info_logits, _ = info_nce_logits(rounded[0], rounded[1], rounded[2], 0.05)
+        loss_info = info_nce_loss(rounded[0], rounded[1], rounded[2], 0.05)
+    assert logits.dtype == info_logits.dtype == loss_nt.dtype == loss_info.dtype == torch.float32
+    assert loss_nt.item() == pytest.approx(ref_nt.item(), rel=1e-6)
+    assert loss_info.item() == pytest.approx(ref_info.item(), rel=1e-6)
 
 
 def test_nt_xent_gathered_rank_slices_average_to_full_loss():

@@ -5,6 +5,7 @@ import datasets
 import pytest
 import torch
 from conftest import TINY
+from transformers import TrainerCallback
 
 from hf_contrast import (
     ContrastiveTrainer,
@@ -39,7 +40,7 @@ def test_one_ema_per_optimizer_step_under_accumulation(tmp_path, schedule):
     are exactly q + prod(m_t) * (k0 - q); one EMA per micro-batch would give the square of that."""
     torch.manual_seed(0)
     m = 0.5
-    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=16, momentum=m, momentum_schedule=schedule, **TINY))
+    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=40, momentum=m, momentum_schedule=schedule, **TINY))
     with torch.no_grad():
         for p in model.key_parameters():
             p.add_(torch.randn_like(p))
@@ -48,6 +49,15 @@ def test_one_ema_per_optimizer_step_under_accumulation(tmp_path, schedule):
     trainer = ContrastiveTrainer(model=model, args=args(tmp_path, learning_rate=0.0, weight_decay=0.0,
                                                          gradient_accumulation_steps=2, lr_scheduler_type="constant"),
                                  train_dataset=tensor_dataset(64))
+
+    class CountEnqueues(TrainerCallback):
+        sizes: list = []
+
+        def on_enqueue(self, keys, **kwargs):
+            self.sizes.append(keys.shape[0])
+
+    counter = CountEnqueues()
+    trainer.add_callback(counter)
     trainer.train()
     steps = trainer.state.global_step
     assert steps == 4  # 64 images / (8 per micro-batch * 2 micro-batches)
@@ -56,7 +66,9 @@ def test_one_ema_per_optimizer_step_under_accumulation(tmp_path, schedule):
         assert torch.equal(q, q_before)
     for k, k_before, q in zip(model.key_parameters(), k0, q0, strict=False):
         torch.testing.assert_close(k, q + factor * (k_before - q), rtol=1e-5, atol=1e-6)
-    assert int(model.queue_filled) == 16 and int(model.queue_ptr) == (8 * 8) % 16  # every micro-batch enqueued
+    assert counter.sizes == [8] * 8  # one enqueue per micro-batch (not per optimizer step), of 8 keys
+    # a queue of 40 tells the counts apart: 64 keys -> full, pointer 24 (32 keys would leave it at 32 of 40)
+    assert int(model.queue_filled) == 40 and int(model.queue_ptr) == (8 * 8) % 40
 
 
 def test_key_encoder_never_in_optimizer(tmp_path):
