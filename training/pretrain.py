@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         handlers=[logging.StreamHandler(sys.stdout)])
     transformers.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint; the
+    # training progress bar (tqdm, not transformers' logging bars) stays
     set_seed(training_args.seed)
 
     train, test, name = load_splits(data_args)
