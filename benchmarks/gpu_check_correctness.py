@@ -269,7 +269,7 @@ def _skipped_step_run(device: torch.device, optim: str) -> dict:
 def _bn_step(model, x1, x2) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
     loss = model(x1, x2).loss
     loss.backward()
-    return float(loss), _flat_grads(model), [b.clone() for b in model.buffers()]
+    return loss.item(), _flat_grads(model), [b.clone() for b in model.buffers()]
 
 
 def sync_batch_norm(device: torch.device) -> dict:
