@@ -87,8 +87,8 @@ class Settings:
     def smoke_run(cls) -> Settings:
         return cls(
             smoke=True, device="cpu", backbone="test_resnet", image_size=32, queue_size=256, batches=(8, 16),
-            repeats=2, lightly_batch=8, memory_backbones=("test_resnet", "test_vit"), memory_batch=8,
-            memory_cached=(16, 4), gc_small=4, gc_large=16, compile_backend="eager",
+            repeats=1, lightly_batch=8, memory_backbones=("test_resnet", "test_vit"), memory_batch=8,
+            memory_cached=(8, 2), gc_small=4, gc_large=8, compile_backend="eager",
             budgets=dict(correctness=30, throughput=15, compile=20, lightly=25, planner_memory=20, grad_cache=15),
         )
 
