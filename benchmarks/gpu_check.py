@@ -32,6 +32,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -199,6 +200,7 @@ class Method:
         self.model.to(device=device, memory_format=torch.channels_last).train()
         self.opt = torch.optim.SGD(params, lr=1e-4, momentum=0.9)
         self.inputs: dict[int, tuple] = {}
+        self._keys = None  # MoCo: this step's keys, enqueued after the backward
 
     def batch(self, b: int, image_size: int):
         if b not in self.inputs:
@@ -219,8 +221,9 @@ class Method:
         self.after_step()
 
     def after_backward(self) -> None:
-        if isinstance(self.model, MoCoModel):
+        if self._keys is not None:
             self.model.enqueue(self._keys)
+            self._keys = None
 
     def after_step(self) -> None:
         if hasattr(self.model, "momentum_update"):
@@ -287,6 +290,7 @@ def search_batch(run: Run, methods: list[Method], deadline: float) -> tuple[int,
             if not is_oom(e):
                 raise
             tried[b] = "out of memory"
+        if tried[b] == "out of memory":  # outside the except block: its traceback no longer holds the step's tensors
             run.log(f"  batch {b}: out of memory")
             for m in methods:
                 m.opt.zero_grad(set_to_none=True)
@@ -653,10 +657,11 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny timm models, small sizes: the same code in < 1 min")
-    p.add_argument("--out", default="results/gpu", help="folder for report.md and report.json")
+    p.add_argument("--out", default=None, help="folder for report.md and report.json (default results/gpu, "
+                   "--smoke: results/gpu/smoke)")
     p.add_argument("--budget_s", type=float, default=280.0, help="time for all sections together (smoke: 55)")
     p.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run only these sections")
-    p.add_argument("--lightly_target", default=None, help="folder lightly is installed into (default: under --out)")
+    p.add_argument("--lightly_target", default=None, help="folder lightly is installed into (default: in the temp folder)")
     p.add_argument("--lightly_wheels", default=None, help="install lightly offline from wheels in this folder")
     a = p.parse_args(argv)
     s = Settings.smoke_run() if a.smoke else Settings(smoke=False, device="cuda")
@@ -665,9 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         torch.set_num_threads(1)  # tiny models on shared cores
     run = Run(s, 55.0 if a.smoke and a.budget_s == 280.0 else a.budget_s)
-    out = Path(a.out)
+    out = Path(a.out or ("results/gpu/smoke" if a.smoke else "results/gpu"))
     out.mkdir(parents=True, exist_ok=True)
-    run.lightly_target = Path(a.lightly_target) if a.lightly_target else out / ".lightly"
+    run.lightly_target = Path(a.lightly_target or Path(tempfile.gettempdir()) / "hf_contrast_gpu_check_lightly")
     run.lightly_wheels = a.lightly_wheels
     device = torch.cuda.get_device_name(0) if run.device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
     run.log(f"GPU check ({'smoke' if s.smoke else 'full'}) on {device}")
