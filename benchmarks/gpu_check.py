@@ -131,7 +131,7 @@ class Run:
 
     def section(self, name: str, fn) -> None:
         budget = min(self.s.budgets[name], self.total - self.elapsed())
-        if budget < 3:
+        if budget < min(3.0, self.s.budgets[name]):
             self.sections[name] = dict(status="skipped", reason=f"no time left in the {self.total:.0f} s budget")
             self.log(f"{name}: skipped (no time left)")
             return

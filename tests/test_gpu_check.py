@@ -69,3 +69,35 @@ def test_figures_are_consistent(report):
         cached = next(r for k, r in gc["results"].items() if k.startswith("cached"))
         plain_large = [r for k, r in gc["results"].items() if k.startswith("plain")][1]
         assert cached["negatives"] == plain_large["negatives"]  # same negatives at a chunk's memory
+
+
+def test_a_failing_or_slow_section_is_reported_and_the_next_still_runs():
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    settings = gpu_check.Settings.smoke_run()
+    settings.budgets = dict(boom=5, slow=1, fine=5, late=5)
+    run = gpu_check.Run(settings, total_budget=8)
+
+    def boom(run, record, deadline):
+        raise RuntimeError("broken section")
+
+    def slow(run, record, deadline):
+        record["partial"] = 1
+        time.sleep(3)
+
+    run.section("boom", boom)
+    run.section("slow", slow)
+    run.section("fine", lambda run, record, deadline: record.update(value=42))
+    run.section("late", lambda run, record, deadline: None)
+    got = run.sections
+    assert got["boom"]["status"] == "failed" and "RuntimeError: broken section" in got["boom"]["reason"]
+    assert got["slow"]["status"] == "timed_out" and got["slow"]["partial"] == 1  # partial results kept
+    assert got["slow"]["seconds"] < 2.5
+    assert got["fine"]["status"] == "ok" and got["fine"]["value"] == 42
+    assert got["late"]["status"] in ("ok", "skipped")  # within or past the 8 s total budget
+    assert got["late"]["status"] == "ok" or "no time left" in got["late"]["reason"]
