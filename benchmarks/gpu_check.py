@@ -476,7 +476,8 @@ def section_lightly(run: Run, record: dict, deadline: float):
     b = min(s.lightly_batch, getattr(run, "batch", None) or s.lightly_batch)
     record["setup"] = (f"{s.backbone} at {s.image_size} px, batch {b}, queue {s.queue_size}, T=0.2, m=0.999, head "
                        "2048-ReLU-128, bf16 autocast, channels_last, SGD; ours with key_bn_splits=1 (lightly has no "
-                       "split-BN); both steps: forward, backward, enqueue, SGD step, EMA")
+                       "split-BN); both steps: forward, backward, enqueue, SGD step, EMA. Each library's own numerics: "
+                       "ours computes the (B, 1 + K) logits in fp32 with autocast off, lightly's loss in bf16")
     res = time_methods(run, [m_theirs, m_ours], b, deadline - 2)
     record["results"] = {"lightly": res["supervised"], "ours": res[m_ours.name]}
     record["ours_over_lightly"] = res[m_ours.name]["ratio_to_supervised"]
