@@ -126,3 +126,21 @@ def test_cli_prints_table_and_recommendation(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--num_devices", "0"])
     assert "--num_devices=0 is invalid" in capsys.readouterr().err
+
+
+def test_predict_step_is_the_plan_of_one_device():
+    """The GPU check compares ``predict_step`` with a measured step: it must give the bytes ``plan``
+    prints for the same batch on one device (the same formulas), and refuse unknown methods."""
+    probe = resnet50_like()
+    plans = by_name(run(16382, devices=1, memory_gb=200.0)[0])
+    cached, moco = plans["SimCLR, gathered + grad cache"], plans["MoCo"]
+    got = plan.predict_step(probe, "simclr_cached", cached.batch_per_device, chunk=cached.chunk)
+    assert got.total_bytes == cached.total_bytes and got.negatives == cached.negatives
+    got = plan.predict_step(probe, "moco", moco.batch_per_device, queue_size=16382)
+    assert got.total_bytes == moco.total_bytes
+    got = plan.predict_step(probe, "simclr", 256)
+    assert got.activation_bytes == 512 * probe.per_view_bytes + 4 * 4.0 * 512 * 512  # views + 4 logits copies
+    with pytest.raises(ValueError, match="method='byol' is invalid"):
+        plan.predict_step(probe, "byol", 8)
+    with pytest.raises(ValueError, match="chunk=None is invalid"):
+        plan.predict_step(probe, "simclr_cached", 8)

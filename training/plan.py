@@ -45,6 +45,30 @@ def simclr_activation_bytes(probe: ActivationProbe, images: int, world: int = 1,
     return 2 * images * per_view + LOSS_COPIES * logits_bytes(2 * images, 2 * images * world)
 
 
+def cached_kept_bytes(images: int, world: int, embedding_dim: int) -> float:
+    """What gradient-cached SimCLR keeps alive during pass 2: the fp32 logits and the ``(2N, D)``
+    embedding cache with its gradient."""
+    embeddings = 2 * 2 * images * embedding_dim * 4.0
+    return logits_bytes(2 * images, 2 * images * world) + embeddings
+
+
+def cached_activation_bytes(
+    probe: ActivationProbe, images: int, chunk: int, world: int = 1, embedding_dim: int = 128, amp: bool = False
+) -> float:
+    """Peak activations of gradient-cached SimCLR: the larger of the loss's buffers and one chunk's
+    activations (``2 * chunk`` views), on top of what pass 2 keeps alive."""
+    per_view = probe.per_view_bytes * (0.5 if amp else 1.0)
+    loss_peak = LOSS_COPIES * logits_bytes(2 * images, 2 * images * world)
+    return max(loss_peak, 2 * chunk * per_view) + cached_kept_bytes(images, world, embedding_dim)
+
+
+def moco_activation_bytes(probe: ActivationProbe, batch: int, queue_size: int, amp: bool = False) -> float:
+    """Activations of MoCo's query forward over ``batch`` views and the ``(B, 1 + K)`` loss buffers
+    (the key encoder's no-grad forward is not counted)."""
+    per_view = probe.per_view_bytes * (0.5 if amp else 1.0)
+    return batch * per_view + LOSS_COPIES * logits_bytes(batch, 1 + queue_size)
+
+
 @dataclass
 class MethodPlan:
     """One method's requirement per device.
@@ -136,16 +160,14 @@ def plan(
         state,
         note=f"global batch {global_batch:,}",
     )
-    loss_peak = LOSS_COPIES * logits_bytes(2 * n_gathered, 2 * global_batch)
-    embeddings = 2 * 2 * n_gathered * embedding_dim * 4.0  # the (2N, D) cache and its gradient
-    kept = logits_bytes(2 * n_gathered, 2 * global_batch) + embeddings  # alive during pass 2
+    kept = cached_kept_bytes(n_gathered, w, embedding_dim)
     room = usable - state - kept - input_bytes(probe, 2 * n_gathered)
     chunk = max(1, min(n_gathered, 2 ** int(math.log2(max(room / (2 * per_view), 1)))))  # a power of 2
     cached = MethodPlan(
         "SimCLR, gathered + grad cache",
         n_gathered,
         2 * global_batch - 2,
-        max(loss_peak, 2 * chunk * per_view) + kept,
+        cached_activation_bytes(probe, n_gathered, chunk, w, embedding_dim, amp),
         input_bytes(probe, 2 * n_gathered),
         state,
         chunk=chunk,
@@ -158,7 +180,7 @@ def plan(
         f"MoCo (queue {queue_size:,}, dim {embedding_dim})",
         b,
         queue_size,
-        b * per_view + LOSS_COPIES * logits_bytes(b, 1 + queue_size),
+        moco_activation_bytes(probe, b, queue_size, amp),
         input_bytes(probe, 2 * b),
         state,
         key_encoder + queue,
@@ -198,6 +220,50 @@ def plan(
         )
         return plans, moco.name, reason
     return plans, "none", "nothing fits: use a smaller backbone or image size, fewer negatives, or --amp."
+
+
+STEP_METHODS = ("moco", "simclr", "simclr_cached")
+
+
+def predict_step(
+    probe: ActivationProbe,
+    method: str,
+    batch: int,
+    *,
+    chunk: int | None = None,
+    queue_size: int = 65536,
+    embedding_dim: int = 128,
+    optimizer: str = "sgd",
+    amp: bool = False,
+) -> MethodPlan:
+    """The planner's prediction for ONE training step on one device, with the same formulas as
+    :func:`plan`: what ``torch.cuda.max_memory_allocated`` should report over it (``.total_bytes``).
+
+    Args:
+        probe: the backbone's measured activation memory per view.
+        method: ``"moco"``, ``"simclr"`` (plain) or ``"simclr_cached"`` (gradient cache).
+        batch: images per step (each gives two views).
+        chunk: images per gradient-cache chunk (``"simclr_cached"`` only).
+        queue_size: MoCo's queue length.
+        embedding_dim: embedding size D.
+        optimizer: ``"sgd"``, ``"lars"`` or ``"adamw"``.
+        amp: activations taken as half the measured fp32 ones.
+    """
+    if method not in STEP_METHODS:
+        raise ValueError(f"method={method!r} is invalid: method must be one of {STEP_METHODS}")
+    if method == "simclr_cached" and not chunk:
+        raise ValueError("chunk=None is invalid for method='simclr_cached': chunk must be an integer >= 1")
+    state = training_state_bytes(probe.num_params, optimizer)
+    inputs = input_bytes(probe, 2 * batch)
+    if method == "moco":
+        extra = probe.num_params * 4.0 + queue_size * embedding_dim * 4.0  # key encoder + queue
+        acts = moco_activation_bytes(probe, batch, queue_size, amp)
+        return MethodPlan("MoCo", batch, queue_size, acts, inputs, state, extra)
+    if method == "simclr":
+        acts = simclr_activation_bytes(probe, batch, 1, amp)
+        return MethodPlan("SimCLR", batch, 2 * batch - 2, acts, inputs, state)
+    acts = cached_activation_bytes(probe, batch, chunk, 1, embedding_dim, amp)
+    return MethodPlan("SimCLR, grad cache", batch, 2 * batch - 2, acts, inputs, state, chunk=chunk)
 
 
 def format_plan(
