@@ -193,8 +193,8 @@ def skipped_step(device: torch.device) -> dict:
 
     Run with SGD and with Trainer's default optimizer (``adamw_torch_fused``). A fused optimizer
     checks the scaler's inf flag itself, so accelerate's ``step_was_skipped`` stays False on a
-    skipped step: measured here, the key encoder then moves. ``passed`` is the SGD run; the fused
-    run is reported as ``known_issue`` until the library detects skips another way."""
+    skipped step; MomentumCallback also watches the scale back off, which catches it (the key encoder
+    used to move here). ``passed`` is the SGD run; a failing fused run is reported as ``known_issue``."""
     variants = {optim: _skipped_step_run(device, optim) for optim in ("sgd", "adamw_torch_fused")}
     fused = variants["adamw_torch_fused"]
     return dict(

@@ -72,13 +72,34 @@ class MomentumCallback(TrainerCallback):
     gradient accumulation window), before ``global_step`` is incremented, so ``state.global_step``
     is the 0-based index of the step just taken. A step the fp16 grad scaler skipped is not an
     update of the query encoder, so the key encoder does not move either.
+
+    A skip is seen two ways: accelerate's ``step_was_skipped`` (set when the scaler did not call the
+    optimizer), and a drop of the scaler's scale across the step. The second is needed for fused
+    optimizers (Trainer's default ``adamw_torch_fused``): the scaler always calls them and they skip
+    the update themselves, so ``step_was_skipped`` stays False. Reading the scale is a host sync, paid
+    only when a grad scaler is enabled (fp16).
     """
 
     def __init__(self):
         self.last_momentum: float | None = None
+        self._scale: float | None = None
+
+    @staticmethod
+    def _grad_scale(optimizer) -> float | None:
+        scaler = getattr(optimizer, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self._scale = self._grad_scale(optimizer)
+
+    def _step_was_skipped(self, optimizer) -> bool:
+        scale, before = self._grad_scale(optimizer), self._scale
+        self._scale = scale
+        shrunk = scale is not None and before is not None and scale < before  # the scaler backs off only on inf
+        return bool(getattr(optimizer, "step_was_skipped", False)) or shrunk
 
     def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if getattr(optimizer, "step_was_skipped", False):
+        if self._step_was_skipped(optimizer):
             return
         cfg = model.config
         self.last_momentum = momentum_at(state.global_step, state.max_steps, cfg.momentum, cfg.momentum_schedule)

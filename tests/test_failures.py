@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY
 from PIL import Image
+from transformers import TrainerCallback
 
 from hf_contrast import (
     ContrastiveTrainer,
     ContrastiveTrainingArguments,
     MoCoConfig,
     MoCoModel,
-    MomentumCallback,
     NonFiniteLossError,
     SimCLRConfig,
     SimCLRModel,
@@ -62,25 +62,40 @@ def test_non_finite_keys_are_never_enqueued(caplog):
     assert "Dropping 2 of 4 keys" in caplog.text
 
 
-def test_skipped_optimizer_step_does_not_move_the_key_encoder():
-    """fp16's GradScaler skips steps whose gradients overflowed; Accelerate's optimizer says so in
-    ``step_was_skipped``. The key encoder must not follow a step the query encoder did not take."""
-    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=6, momentum=0.5, **TINY))
-    with torch.no_grad():
+@pytest.mark.parametrize("optim", ["sgd", "adamw_torch_fused"])
+def test_skipped_fp16_step_does_not_move_the_key_encoder(tmp_path, optim):
+    """A real fp16 ContrastiveTrainer run whose first backward overflows: the grad scaler skips that
+    step, so the key encoder must not move; the second step is taken and is exactly one EMA. With a
+    fused optimizer (Trainer's default) accelerate's ``step_was_skipped`` stays False, so the callback
+    must see the skip from the scale's back-off. (Accelerate makes no scaler on CPU: torch's CPU
+    GradScaler is given to it, the same code path as CUDA's.)"""
+    m = 0.5
+    torch.manual_seed(0)
+    model = MoCoModel(MoCoConfig(backbone="test_vit", queue_size=32, momentum=m, key_bn_splits=1, **TINY))
+    with torch.no_grad():  # key != query, so an EMA over the unchanged query would still move the key
         for p in model.key_parameters():
-            p.add_(1.0)
-    before = [p.clone() for p in model.key_parameters()]
+            p.add_(0.5)
+    k0, q0 = [p.clone() for p in model.key_parameters()], [p.clone() for p in model.query_parameters()]
+    calls = []
+    first = next(iter(model.encoder.parameters()))
+    first.register_hook(lambda g: (calls.append(1), torch.full_like(g, math.inf) if len(calls) == 1 else g)[1])
+    seen = []
 
-    class Optimizer:  # the one attribute the callback reads from accelerate's AcceleratedOptimizer
-        step_was_skipped = True
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen.append(([p.clone() for p in model.key_parameters()], [p.clone() for p in model.query_parameters()]))
 
-    state = type("State", (), {"global_step": 0, "max_steps": 10})()
-    callback = MomentumCallback()
-    callback.on_optimizer_step(None, state, None, model=model, optimizer=Optimizer())
-    assert all(torch.equal(a, b) for a, b in zip(before, model.key_parameters(), strict=True))
-    Optimizer.step_was_skipped = False
-    callback.on_optimizer_step(None, state, None, model=model, optimizer=Optimizer())
-    assert not torch.equal(before[0], next(iter(model.key_parameters())))
+    trainer = ContrastiveTrainer(model=model, args=args(tmp_path, per_device_train_batch_size=4, max_steps=2,
+                                                         learning_rate=0.1, fp16=True, max_grad_norm=0.0, optim=optim),
+                                 train_dataset=tensor_dataset(8), callbacks=[Snapshot()])
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    trainer.train()
+    (key1, query1), (key2, query2) = seen
+    assert all(torch.equal(a, b) for a, b in zip(q0, query1, strict=True))  # step 1 was skipped...
+    assert all(torch.equal(a, b) for a, b in zip(k0, key1, strict=True))  # ...and the key encoder stayed
+    assert not all(torch.equal(a, b) for a, b in zip(q0, query2, strict=True))  # step 2 was taken
+    for k, q, k2 in zip(k0, query2, key2, strict=True):  # with exactly one EMA
+        torch.testing.assert_close(k2, m * k + (1 - m) * q, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
