@@ -28,6 +28,7 @@ from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, enqueue_, momentum_at
 from .monitors import KNNMonitor, QueueConsistencyMonitor, RepresentationMonitor, TrainingMonitor
 from .negatives import negatives_per_anchor
+from .shards import write_shards
 from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback, NonFiniteLossError
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
@@ -88,4 +89,5 @@ __all__ = [
     "push_encoder_to_hub",
     "two_view_dataset",
     "uniformity",
+    "write_shards",
 ]
