@@ -119,8 +119,8 @@ class TwoViewAugmentation:
             y = augment.gaussian_blur(y, self._blur_kernel(), (0.1, 2.0), self.blur_p, generator=g)
         if self.flip_p > 0:
             y = augment.random_flip(y, self.flip_p, generator=g)
-        mean = torch.tensor(self.mean).view(1, -1, 1, 1)
-        std = torch.tensor(self.std).view(1, -1, 1, 1)
+        mean = torch.tensor(self.mean, device=y.device).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, device=y.device).view(1, -1, 1, 1)
         return (y - mean) / std
 
     def _blur_kernel(self) -> int:
