@@ -13,6 +13,7 @@ from .data import (
     load_default_dataset,
     two_view_dataset,
 )
+from .device_augment import DeviceAugmentation
 from .diagnostics import alignment, key_consistency, parameter_drift, uniformity
 from .evaluation import extract_features, knn_accuracy, knn_top1
 from .export import export_encoder
@@ -28,6 +29,8 @@ from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, enqueue_, momentum_at
 from .monitors import KNNMonitor, QueueConsistencyMonitor, RepresentationMonitor, TrainingMonitor
 from .negatives import negatives_per_anchor
+from .shards import write_shards
+from .streaming import StreamingError, StreamingTwoViewDataset, streaming_two_view_dataset
 from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback, NonFiniteLossError
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
@@ -46,6 +49,7 @@ __all__ = [
     "ContrastivePreTrainedModel",
     "ContrastiveTrainer",
     "ContrastiveTrainingArguments",
+    "DeviceAugmentation",
     "EncoderCardData",
     "HubPushError",
     "KNNMonitor",
@@ -58,6 +62,8 @@ __all__ = [
     "RepresentationMonitor",
     "SimCLRConfig",
     "SimCLRModel",
+    "StreamingError",
+    "StreamingTwoViewDataset",
     "TrainingMonitor",
     "TwoViewAugmentation",
     "TwoViewDataset",
@@ -86,6 +92,8 @@ __all__ = [
     "peak_memory_bytes",
     "probe_activation_memory",
     "push_encoder_to_hub",
+    "streaming_two_view_dataset",
     "two_view_dataset",
     "uniformity",
+    "write_shards",
 ]

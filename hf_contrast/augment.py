@@ -4,6 +4,8 @@ PIL transforms cost about 0.35 ms per 32 px view on these CPUs, as much as the t
 itself at batch 256; the same ops on a ``(B, 3, H, W)`` tensor cost a few milliseconds. Each op
 follows torchvision's definition (``RandomResizedCrop``, ``ColorJitter``, ``RandomGrayscale``,
 ``GaussianBlur``, ``RandomHorizontalFlip``); differences are noted where they exist.
+Random parameters are drawn on the CPU from the (CPU) ``generator`` and moved to the images'
+device, so a seed gives the same parameters on any device.
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ def crop_boxes(n: int, height: int, width: int, scale: tuple[float, float], gene
 def resized_crops(images: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
     """Crop ``boxes`` ``(B, 4)`` out of ``images`` ``(B, C, H, W)`` and resize each to ``size`` x
     ``size`` with bilinear sampling (one ``roi_align`` call; no antialiasing when downscaling)."""
-    rois = torch.cat([torch.arange(len(boxes), dtype=images.dtype).unsqueeze(1), boxes.to(images.dtype)], 1)  # (B, 5)
+    boxes = boxes.to(images.device, images.dtype)
+    rois = torch.cat([torch.arange(len(boxes), dtype=images.dtype, device=images.device).unsqueeze(1), boxes], 1)  # (B, 5)
     return roi_align(images, rois, output_size=size, spatial_scale=1.0, sampling_ratio=2, aligned=True)
 
 
 def grayscale(x: torch.Tensor) -> torch.Tensor:
     """``(B, 3, H, W)`` -> luma ``(B, 1, H, W)``."""
-    w = torch.tensor(_GRAY, dtype=x.dtype).view(1, 3, 1, 1)
+    w = torch.tensor(_GRAY, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
     return (x * w).sum(1, keepdim=True)
 
 
@@ -68,9 +71,10 @@ def color_jitter(x: torch.Tensor, strength: float, p: float, generator=None) -> 
     space, a close linear stand-in for torchvision's HSV shift.
     """
     n = x.shape[0]
-    apply = (torch.rand(n, generator=generator) < p).view(n, 1, 1, 1)
+    apply = (torch.rand(n, generator=generator) < p).view(n, 1, 1, 1).to(x.device)
     s = strength
-    b, c, sat = (_uniform(n, max(0.0, 1 - s), 1 + s, generator).view(n, 1, 1, 1) for _ in range(3))
+    b, c, sat = (_uniform(n, max(0.0, 1 - s), 1 + s, generator).view(n, 1, 1, 1).to(x.device, x.dtype)
+                 for _ in range(3))
     hue = _uniform(n, -s / 4, s / 4, generator) * 2 * math.pi  # (n,) radians
     y = (x * b).clamp(0, 1)
     mean = grayscale(y).mean(dim=(1, 2, 3), keepdim=True)  # (n, 1, 1, 1)
@@ -82,21 +86,21 @@ def color_jitter(x: torch.Tensor, strength: float, p: float, generator=None) -> 
     rot[:, 0, 0] = 1
     rot[:, 1, 1], rot[:, 1, 2], rot[:, 2, 1], rot[:, 2, 2] = cos, -sin, sin, cos
     m = torch.linalg.inv(_RGB_TO_YIQ) @ rot @ _RGB_TO_YIQ  # (n, 3, 3) RGB -> RGB hue rotation
-    y = torch.einsum("nij,njhw->nihw", m.to(y.dtype), y).clamp(0, 1)
+    y = torch.einsum("nij,njhw->nihw", m.to(y.device, y.dtype), y).clamp(0, 1)
     return torch.where(apply, y, x)
 
 
 def random_grayscale(x: torch.Tensor, p: float, generator=None) -> torch.Tensor:
-    apply = (torch.rand(x.shape[0], generator=generator) < p).view(-1, 1, 1, 1)
+    apply = (torch.rand(x.shape[0], generator=generator) < p).view(-1, 1, 1, 1).to(x.device)
     return torch.where(apply, grayscale(x).expand_as(x), x)
 
 
 def gaussian_blur(x: torch.Tensor, kernel_size: int, sigma: tuple[float, float], p: float, generator=None) -> torch.Tensor:
     """Separable Gaussian blur, sigma drawn per image, reflect padding, applied with probability p."""
     n, c, h, w = x.shape
-    apply = (torch.rand(n, generator=generator) < p).view(n, 1, 1, 1)
-    sig = _uniform(n, *sigma, generator).view(n, 1)  # (n, 1)
-    r = torch.arange(kernel_size, dtype=x.dtype) - (kernel_size - 1) / 2  # (k,)
+    apply = (torch.rand(n, generator=generator) < p).view(n, 1, 1, 1).to(x.device)
+    sig = _uniform(n, *sigma, generator).view(n, 1).to(x.device, x.dtype)  # (n, 1)
+    r = torch.arange(kernel_size, dtype=x.dtype, device=x.device) - (kernel_size - 1) / 2  # (k,)
     k = torch.exp(-(r**2) / (2 * sig**2))
     k = (k / k.sum(1, keepdim=True)).repeat_interleave(c, 0)  # (n * c, k)
     pad = kernel_size // 2
@@ -107,5 +111,5 @@ def gaussian_blur(x: torch.Tensor, kernel_size: int, sigma: tuple[float, float],
 
 
 def random_flip(x: torch.Tensor, p: float, generator=None) -> torch.Tensor:
-    apply = (torch.rand(x.shape[0], generator=generator) < p).view(-1, 1, 1, 1)
+    apply = (torch.rand(x.shape[0], generator=generator) < p).view(-1, 1, 1, 1).to(x.device)
     return torch.where(apply, x.flip(-1), x)

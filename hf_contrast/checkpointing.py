@@ -153,3 +153,22 @@ def load_rank_buffers(directory: str, model: nn.Module, rank: int) -> bool:
         for name, value in stored.items():
             own[name].copy_(value)
     return True
+
+
+STREAM_STATE = "rank{rank}_stream.json"
+
+
+def save_stream_state(directory: str, state: dict, rank: int) -> None:
+    """Write process ``rank``'s position in a streamed dataset (a small JSON dict) into the checkpoint."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, STREAM_STATE.format(rank=rank)), "w") as f:
+        json.dump(state, f)
+
+
+def load_stream_state(directory: str, rank: int) -> dict | None:
+    """Process ``rank``'s stream position saved by :func:`save_stream_state`, or None if absent."""
+    path = os.path.join(directory, STREAM_STATE.format(rank=rank))
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

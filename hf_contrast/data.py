@@ -119,8 +119,8 @@ class TwoViewAugmentation:
             y = augment.gaussian_blur(y, self._blur_kernel(), (0.1, 2.0), self.blur_p, generator=g)
         if self.flip_p > 0:
             y = augment.random_flip(y, self.flip_p, generator=g)
-        mean = torch.tensor(self.mean).view(1, -1, 1, 1)
-        std = torch.tensor(self.std).view(1, -1, 1, 1)
+        mean = torch.tensor(self.mean, device=y.device).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, device=y.device).view(1, -1, 1, 1)
         return (y - mean) / std
 
     def _blur_kernel(self) -> int:
@@ -244,10 +244,20 @@ class TwoViewDataset(torch.utils.data.Dataset):
 
 
 def two_view_dataset(
-    dataset: datasets.Dataset, augmentation: TwoViewAugmentation, image_column: str | None = None, seed: int = 0
-) -> TwoViewDataset:
+    dataset: datasets.Dataset | datasets.IterableDataset, augmentation: TwoViewAugmentation,
+    image_column: str | None = None, seed: int = 0, **stream_kwargs
+):
     """``dataset`` as a :class:`TwoViewDataset`: items ``{"pixel_values", "pixel_values_2"}``,
-    augmented lazily with views that are fresh every epoch and reproducible given ``seed``."""
+    augmented lazily with views that are fresh every epoch and reproducible given ``seed``.
+
+    A stream (``datasets.IterableDataset``) becomes a
+    :class:`~hf_contrast.streaming.StreamingTwoViewDataset` (``stream_kwargs`` go to it)."""
+    if isinstance(dataset, datasets.IterableDataset):
+        from .streaming import StreamingTwoViewDataset  # streaming builds on this module
+
+        return StreamingTwoViewDataset(dataset, augmentation, image_column, seed, **stream_kwargs)
+    if stream_kwargs:
+        raise ValueError(f"{sorted(stream_kwargs)} apply to a streamed dataset only (datasets.IterableDataset)")
     return TwoViewDataset(dataset, augmentation, image_column, seed)
 
 

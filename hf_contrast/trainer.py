@@ -21,9 +21,12 @@ from .checkpointing import (
     is_complete,
     last_complete_checkpoint,
     load_rank_buffers,
+    load_stream_state,
     mark_complete,
     save_rank_buffers,
+    save_stream_state,
 )
+from .device_augment import DeviceAugmentation
 from .grad_cache import grad_cache_step
 from .hub import push_encoder_to_hub
 from .metrics import ContrastiveMetrics
@@ -31,6 +34,7 @@ from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
 from .momentum import momentum_at
 from .negatives import negatives_per_anchor
+from .streaming import StreamingTwoViewDataset
 
 logger = logging.get_logger(__name__)
 
@@ -53,6 +57,9 @@ class ContrastiveTrainingArguments(TrainingArguments):
     Args:
         collapse_warning: warn when the loss sits at the no-signal value ``ln(K + 1)`` or the
             normalised embeddings collapse onto one direction.
+        device_augmentation: with a :class:`~hf_contrast.streaming.StreamingTwoViewDataset`, the
+            workers only decode and resize to ``uint8``; both views are made in the training step on
+            the model's device (:class:`~hf_contrast.DeviceAugmentation`).
     """
 
     output_dir: str | None = field(default="outputs", metadata={"help": "Where checkpoints and the final model go."})
@@ -63,6 +70,8 @@ class ContrastiveTrainingArguments(TrainingArguments):
         default=False, metadata={"help": "Every query parameter is used; the key side has no gradient."})
     logging_steps: float = field(default=10, metadata={"help": "Log contrastive metrics every N steps."})
     collapse_warning: bool = field(default=True, metadata={"help": "Warn on the collapse / no-signal signature."})
+    device_augmentation: bool = field(default=False, metadata={
+        "help": "Streamed data: workers only decode and resize; the views are made batched on the model's device."})
 
 
 class MomentumCallback(TrainerCallback):
@@ -149,6 +158,10 @@ class ContrastiveTrainer(Trainer):
                 "next to the key weights on every process, and the queue must stay identical across processes. "
                 "Use DDP (plain torchrun / accelerate launch), which is what the default arguments give."
             )
+        if isinstance(kwargs.get("train_dataset"), StreamingTwoViewDataset) and args.max_steps <= 0:
+            raise ValueError(f"max_steps={args.max_steps}: a streamed train_dataset has no length, so training needs "
+                             "max_steps > 0 (pretrain.py: --max_steps N; hf_contrast.streaming.steps_for_epochs "
+                             "gives the steps of a number of epochs)")
         super().__init__(model=model, args=args, **kwargs)
         self.is_moco = isinstance(model, MoCoModel)
         self.add_callback(EpochCallback(self))
@@ -198,7 +211,13 @@ class ContrastiveTrainer(Trainer):
                 f"per_device_train_batch_size={a.per_device_train_batch_size} gives SimCLR no negatives "
                 f"(2 * N * world size - 2 = {self.negatives_per_anchor()}): use a per-device batch of at least 2."
             )
-        if self.train_dataset is not None:
+        streamed = isinstance(self.train_dataset, StreamingTwoViewDataset)
+        if getattr(a, "device_augmentation", False) and not streamed:
+            raise ValueError("device_augmentation=True needs a streamed train_dataset (StreamingTwoViewDataset, "
+                             "pretrain.py --streaming): its workers ship the uint8 images the device augments")
+        if streamed:
+            self._configure_stream()  # too few shards for ranks x workers: a clear error before training
+        elif self.train_dataset is not None and not isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             if hasattr(self.train_dataset, "__len__") and len(self.train_dataset) == 0:
                 raise ValueError("train_dataset is empty: there is nothing to pretrain on")
             if hasattr(self.train_dataset, "__getitem__"):
@@ -210,6 +229,38 @@ class ContrastiveTrainer(Trainer):
                         f"{sorted(missing)} (it has {sorted(item)}). Wrap an image dataset with "
                         "hf_contrast.two_view_dataset(dataset, TwoViewAugmentation(...))."
                     )
+
+    # --- streamed data: the library owns the split, the position and the device augmentation ---
+    def _configure_stream(self) -> StreamingTwoViewDataset:
+        a = self.args
+        return self.train_dataset.configure(a.per_device_train_batch_size, a.process_index, a.world_size,
+                                            a.dataloader_num_workers, getattr(a, "device_augmentation", False))
+
+    def get_train_dataloader(self):
+        """Trainer's dataloader; for a :class:`StreamingTwoViewDataset` its own
+        :class:`~hf_contrast.streaming.StreamLoader`, never passed to ``accelerator.prepare``: Accelerate
+        would dispatch every batch from rank 0 or shard the stream a second time."""
+        if not isinstance(self.train_dataset, StreamingTwoViewDataset):
+            return super().get_train_dataloader()
+        a = self.args
+        return self._configure_stream().loader(
+            pin_memory=a.dataloader_pin_memory and torch.cuda.is_available(),
+            prefetch_factor=a.dataloader_prefetch_factor, multiprocessing_context=a.dataloader_multiprocessing_context)
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """A stream resumes from the position restored with the checkpoint, not by iterating
+        ``num_batches`` batches (which would decode and augment them all again)."""
+        if isinstance(self.train_dataset, StreamingTwoViewDataset):
+            return dataloader
+        return super().get_resumed_dataloader(dataloader, num_batches)
+
+    def _prepare_inputs(self, inputs):
+        """Trainer's device placement; then, for a device-augmentation batch (``images``, ``view_seed``),
+        the two views made on the model's device."""
+        inputs = super()._prepare_inputs(inputs)
+        if "images" in inputs and isinstance(self.train_dataset, StreamingTwoViewDataset):
+            inputs = DeviceAugmentation(self.train_dataset.augmentation).inputs(inputs)
+        return inputs
 
     def negatives_per_anchor(self) -> int:
         """Negatives each anchor will see once training runs (MoCo: with a full queue); see
@@ -265,6 +316,12 @@ class ContrastiveTrainer(Trainer):
         check_checkpoint(resume_from_checkpoint, unwrapped)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         rank = self.args.process_index
+        if isinstance(self.train_dataset, StreamingTwoViewDataset):
+            state = load_stream_state(resume_from_checkpoint, rank)
+            if state is None:
+                raise CheckpointError(f"{resume_from_checkpoint} holds no stream position of process {rank}: the "
+                                      "stream cannot resume exactly (it was written without a streamed dataset?)")
+            self.train_dataset.load_state_dict(state)
         if not load_rank_buffers(resume_from_checkpoint, unwrapped, rank) and rank > 0:
             logger.warning(f"{resume_from_checkpoint} holds no buffers of process {rank} (written by fewer processes?): "
                            "it starts from rank 0's BatchNorm statistics")
@@ -283,6 +340,8 @@ class ContrastiveTrainer(Trainer):
         finally:
             self.args.save_total_limit = limit
         save_rank_buffers(folder, self.accelerator.unwrap_model(self.model), self.args.process_index)
+        if isinstance(self.train_dataset, StreamingTwoViewDataset):
+            save_stream_state(folder, self.train_dataset.state_dict(), self.args.process_index)
         distributed.barrier()  # every process's files are on disk
         if self.args.should_save and os.path.isdir(folder):
             mark_complete(folder)  # last: weights, optimizer, RNG, trainer state and every rank's buffers

@@ -8,6 +8,7 @@ CPU cores) and prints the kNN top-1 of the pretrained encoder next to random ini
     python training/pretrain.py --method simclr                   # SimCLR instead
     python training/pretrain.py --dataset_name cifar10 --image_size 32
     python training/pretrain.py --train_dir path/to/images        # a local image folder
+    python training/pretrain.py --dataset_name webdataset --data_files "shards/*.tar" --streaming --max_steps N
     torchrun --nproc_per_node 2 training/pretrain.py --use_cpu    # two processes
     python training/pretrain.py --push_to_hub --hub_model_id ORG/NAME   # push the encoder export
 
@@ -55,6 +56,8 @@ from hf_contrast.data import (
 )
 from hf_contrast.evaluation import recalibrate_batch_norm
 from hf_contrast.hub import check_can_push
+from hf_contrast.shards import read_shard_sizes, resolve_shards
+from hf_contrast.streaming import StreamingTwoViewDataset
 
 logger = logging.getLogger("pretrain")
 
@@ -94,6 +97,13 @@ class DataArguments:
     dataset_name: str | None = field(
         default=None, metadata={"help": "A Hub dataset name; default: the embedded MNIST digits."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's config."})
+    data_files: str | None = field(
+        default=None, metadata={"help": "Files or glob for the dataset (webdataset: \"shards/*.tar\")."})
+    streaming: bool = field(
+        default=False, metadata={"help": "Stream the training split (needs --max_steps): split by rank and worker."})
+    shuffle_buffer: int = field(default=1000, metadata={"help": "Streaming: samples per shuffle block."})
+    knn_samples: int = field(
+        default=2000, metadata={"help": "Streaming: first N labelled samples held in memory for the kNN report."})
     train_dir: str | None = field(default=None, metadata={"help": "A local image folder (imagefolder layout)."})
     image_column: str | None = field(default=None, metadata={"help": "Image column; found automatically."})
     label_column: str = field(default="label", metadata={"help": "Label column, used only for the kNN report."})
@@ -154,6 +164,29 @@ def load_splits(data: DataArguments) -> tuple[datasets.Dataset, datasets.Dataset
     return train, test, name
 
 
+def load_stream(data: DataArguments):
+    """The streamed training split, its shard sizes (None: counted), a labelled kNN pool of the first
+    ``knn_samples`` samples split into train / test (or None, None) and a display name."""
+    if data.dataset_name is None:
+        raise ValueError("--streaming needs --dataset_name (webdataset with --data_files, or a Hub dataset)")
+    sizes = None
+    data_files = data.data_files
+    if data_files is not None and "://" not in data_files:
+        data_files = resolve_shards(data_files)  # sorted: the shard order sizes.json is read in
+        sizes = read_shard_sizes(data_files)
+    stream = datasets.load_dataset(data.dataset_name, data.dataset_config_name, split="train", streaming=True,
+                                   data_files={"train": data_files} if data_files is not None else None)
+    label = data.label_column if data.label_column in stream.column_names else (
+        "cls" if "cls" in stream.column_names else None)
+    name = f"{data.dataset_name} stream" + (f" ({data.data_files})" if data.data_files else "")
+    if label is None or data.knn_samples <= 0:
+        return stream, sizes, None, None, name
+    data.label_column = label
+    pool = datasets.Dataset.from_list(list(stream.take(data.knn_samples)), features=stream.features)
+    parts = pool.train_test_split(test_size=data.test_split_size, seed=0)
+    return stream, sizes, parts["train"], parts["test"], name
+
+
 def build_model(args: ModelArguments, image_size: int):
     if args.method not in METHODS:
         raise ValueError(f"method={args.method!r} is invalid: it must be one of {METHODS}")
@@ -194,7 +227,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # training progress bar (tqdm, not transformers' logging bars) stays
     set_seed(training_args.seed)
 
-    train, test, name = load_splits(data_args)
+    if data_args.streaming:
+        stream, sizes, train, test, name = load_stream(data_args)
+    else:
+        train, test, name = load_splits(data_args)
     digits = data_args.dataset_name is None and data_args.train_dir is None
     mean, std = (DIGITS_MEAN, DIGITS_STD) if digits else (IMAGENET_MEAN, IMAGENET_STD)
     aug_cls = TwoViewAugmentation.small_images if data_args.image_size <= 64 else TwoViewAugmentation
@@ -203,22 +239,27 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         flip_p=0.5 if data_args.horizontal_flip else 0.0, mean=mean, std=std,
     )
     model = build_model(model_args, data_args.image_size)
+    if data_args.streaming:
+        train_dataset = StreamingTwoViewDataset(stream, augmentation, data_args.image_column, seed=training_args.seed,
+                                                shuffle_buffer=data_args.shuffle_buffer, shard_sizes=sizes)
+    else:
+        train_dataset = two_view_dataset(train, augmentation, data_args.image_column, seed=training_args.seed)
     if training_args.process_index == 0:
+        size = f"{sum(train_dataset.shard_sizes)} streamed" if data_args.streaming else len(train)
         logger.info(f"Pretraining {type(model).__name__} ({model.config.backbone}) on {name}: "
-                    f"{len(train)} training images, augmentation {augmentation}")
+                    f"{size} training images, augmentation {augmentation}")
 
     evaluating = training_args.eval_strategy != "no"
     if evaluating and test is None:
         raise ValueError(f"eval_strategy={training_args.eval_strategy.value!r} needs a held-out split: pass a dataset "
                          "with a test split or --test_split_size > 0, or --eval_strategy no")
     trainer = ContrastiveTrainer(
-        model=model, args=training_args,
-        train_dataset=two_view_dataset(train, augmentation, data_args.image_column, seed=training_args.seed),
+        model=model, args=training_args, train_dataset=train_dataset,
         # held-out pairs for eval_loss and the eval_ contrastive metrics (a fixed set of views)
         eval_dataset=two_view_dataset(test, augmentation, data_args.image_column, seed=training_args.seed + 1)
         if evaluating else None,
     )
-    labelled = test is not None and data_args.label_column in train.column_names
+    labelled = test is not None and train is not None and data_args.label_column in train.column_names
     if labelled:
         tr = eval_dataset(train, augmentation, data_args.image_column, data_args.label_column)
         te = eval_dataset(test, augmentation, data_args.image_column, data_args.label_column)
@@ -259,7 +300,8 @@ def export_and_push(trainer, export_dir, augmentation, results, data_args, name,
     export_encoder(
         trainer, export_dir, augmentation=augmentation, knn_top1=results.get("knn_pretrained"), knn_baselines=baselines,
         knn_details=f"k={data_args.knn_k}, t=0.1, on {len(test)} held-out images" if "knn_pretrained" in results else None,
-        datasets=[data_args.dataset_name] if data_args.dataset_name else [], dataset_description=name,
+        datasets=[data_args.dataset_name] if data_args.dataset_name not in (None, "webdataset") else [],
+        dataset_description=name,
         repo_id=push_args.hub_model_id if push_args is not None else None,
         overwrite=True,  # OUTPUT_DIR/encoder belongs to this script, like OUTPUT_DIR/final: a rerun replaces it
     )

@@ -1,0 +1,305 @@
+"""Two views of a streamed corpus: a ``datasets.IterableDataset`` read shard by shard, split by rank
+and by DataLoader worker exactly once, with exact, cheap resume.
+
+The plan of an epoch is a pure function of ``(seed, epoch)`` and the shard sizes, the same on every
+process:
+
+* the shards are permuted (seed, epoch) and dealt to ``world_size x num_workers`` readers
+  ("slots"): slot ``rank * num_workers + worker`` reads shards ``perm[slot::slots]``, so the ranks
+  see disjoint samples whose union is the corpus;
+* each slot reads its shards in order through a seeded block shuffle buffer (``shuffle_buffer``
+  consecutive samples, permuted by ``(seed, epoch, slot, block)``);
+* every slot yields the same number of batches, ``min(samples of a slot) // batch_size``, so every
+  rank takes the same number of steps (the few samples past it are dropped, different ones every
+  epoch), and workers alternate in the DataLoader's round-robin order.
+
+So the position of a rank in the stream is two integers, ``(epoch, batches taken this epoch)``. On
+resume each slot jumps to the start of its current shuffle block (one ``skip`` inside one shard:
+tar reads, no image decoded) and decodes only the samples it yields; the workers are rotated so the
+DataLoader's round-robin continues where it stopped. Views are seeded by ``(seed, epoch, slot,
+batch)``, so a resumed run sees exactly the batches of the uninterrupted one.
+
+Workers decode each image and resize it to a fixed ``source_size`` square (shorter side, then a
+centre crop; JPEGs are decoded at reduced size with PIL's draft mode), then either make the two
+views with the batched kernels of :mod:`hf_contrast.augment`, or, with ``device_augmentation``,
+stop there and ship ``uint8`` images for :class:`~hf_contrast.DeviceAugmentation` to augment on the
+model's device.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import datasets
+import numpy as np
+import torch
+from PIL import Image
+
+from .data import TwoViewAugmentation, find_image_column, to_rgb, views_seed
+
+_READ_CHUNK = 64  # raw samples fetched per datasets call
+
+
+class StreamingError(ValueError):
+    """The stream cannot be split or resumed as asked."""
+
+
+def decode_resized(data: bytes, size: int) -> np.ndarray:
+    """An encoded image -> ``(size, size, 3)`` uint8: shorter side resized to ``size``, centre crop."""
+    image = Image.open(io.BytesIO(data))
+    if image.format == "JPEG":
+        image.draft("RGB", (size, size))  # decode at 1/2, 1/4 or 1/8 scale when that still covers size
+    image = to_rgb(image)
+    w, h = image.size
+    scale = size / min(w, h)
+    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+    image = image.resize((nw, nh), Image.BILINEAR, reducing_gap=None if scale > 0.5 else 2.0)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    return np.asarray(image.crop((left, top, left + size, top + size)))
+
+
+class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
+    """Two augmented views of the images of a streamed ``datasets.IterableDataset``, batched in workers.
+
+    Yields whole batches: ``{"pixel_values", "pixel_values_2"}`` float ``(B, 3, S, S)``, or with
+    device augmentation ``{"images": (B, 3, R, R) uint8, "view_seed": ()}``. Use it through
+    :class:`~hf_contrast.ContrastiveTrainer` (which calls :meth:`configure` and :meth:`loader`), or
+    call both yourself.
+
+    Args:
+        dataset: the stream, e.g. ``load_dataset("webdataset", data_files=..., streaming=True,
+            split="train")``; not split by node already (this class owns the split).
+        augmentation: the views' augmentation.
+        image_column: found automatically when None.
+        seed: seeds the shard order, the shuffle buffer and the views.
+        shuffle_buffer: samples per shuffle block.
+        shard_sizes: samples per shard, in the dataset's shard order (``sizes.json``, see
+            :func:`hf_contrast.shards.read_shard_sizes`); counted with one pass over the raw
+            bytes when None.
+        source_size: side of the fixed-size images the workers make; default ``image_size * 8 / 7``
+            (256 for 224 px crops).
+        return_keys: add ``"__key__"`` (the samples' keys) to every batch.
+    """
+
+    def __init__(self, dataset: datasets.IterableDataset, augmentation: TwoViewAugmentation,
+                 image_column: str | None = None, seed: int = 0, shuffle_buffer: int = 1000,
+                 shard_sizes: list[int] | None = None, source_size: int | None = None, return_keys: bool = False):
+        if not isinstance(dataset, datasets.IterableDataset):
+            raise TypeError(f"dataset must be a datasets.IterableDataset (streaming=True), got {type(dataset).__name__}")
+        if getattr(dataset, "_distributed", None) is not None:
+            raise StreamingError("The stream is already split by split_dataset_by_node: pass the whole stream, "
+                                 "StreamingTwoViewDataset splits it by rank and by worker itself (exactly once)")
+        if shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer={shuffle_buffer!r} is invalid: it must be >= 1 (1: no shuffling)")
+        self.image_column = find_image_column(dataset, image_column)
+        columns = [self.image_column] + (["__key__"] if return_keys else [])
+        self._raw = dataset.select_columns(columns).cast_column(self.image_column, datasets.Image(decode=False))
+        self.num_shards = dataset.num_shards
+        self.augmentation = augmentation
+        self.seed = int(seed)
+        self.shuffle_buffer = int(shuffle_buffer)
+        self.source_size = source_size or max(augmentation.image_size, round(augmentation.image_size * 8 / 7))
+        self.return_keys = return_keys
+        if shard_sizes is not None and len(shard_sizes) != self.num_shards:
+            raise ValueError(f"shard_sizes has {len(shard_sizes)} entries for a stream of {self.num_shards} shards")
+        self.shard_sizes = list(shard_sizes) if shard_sizes is not None else self._count_shards()
+        self.batch_size = self.rank = self.world_size = self.num_workers = None
+        self.device_augmentation = False
+        self.decoded = 0  # images decoded by this copy of the dataset (the main process's with 0 workers)
+        self._position = (0, 0)  # (epoch, batches taken this epoch) on this rank: the resume state
+        self._start = (0, 0)  # what the next iteration starts from (copied into the workers)
+
+    def _count_shards(self) -> list[int]:
+        return [sum(len(b[self.image_column]) for b in self._shard(i).iter(batch_size=_READ_CHUNK))
+                for i in range(self.num_shards)]
+
+    def _shard(self, index: int):
+        return self._raw.shard(num_shards=self.num_shards, index=index)
+
+    def configure(self, batch_size: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
+                  device_augmentation: bool = False) -> StreamingTwoViewDataset:
+        """Set the batch and the readers; check that every reader gets shards and a batch per epoch.
+
+        Raises:
+            StreamingError: fewer shards than ``world_size x max(num_workers, 1)`` readers, or a
+                reader with less than one batch of samples.
+        """
+        slots = world_size * max(num_workers, 1)
+        if self.num_shards < slots:
+            raise StreamingError(
+                f"The stream has {self.num_shards} shards but {world_size} processes x {max(num_workers, 1)} "
+                f"DataLoader workers = {slots} readers need one shard each at least: write more, smaller shards "
+                f"(hf_contrast.write_shards(..., images_per_shard=N) / training/write_shards.py --images_per_shard N) "
+                f"or lower dataloader_num_workers to {max(self.num_shards // world_size, 0)} or less."
+            )
+        self.batch_size, self.rank, self.world_size, self.num_workers = batch_size, rank, world_size, num_workers
+        self.device_augmentation = bool(device_augmentation)
+        self.plan(0)  # raises when a reader has less than a batch
+        return self
+
+    @property
+    def slots_per_rank(self) -> int:
+        return max(self.num_workers, 1)
+
+    def plan(self, epoch: int) -> tuple[list[list[int]], int]:
+        """The shards of every slot in ``epoch`` and the batches each slot yields (the same for all)."""
+        if self.batch_size is None:
+            raise StreamingError("Call configure(batch_size, rank, world_size, num_workers) before iterating")
+        slots = self.world_size * self.slots_per_rank
+        order = np.random.default_rng(np.random.SeedSequence([self.seed, int(epoch), 1])).permutation(self.num_shards)
+        shards = [order[s::slots].tolist() for s in range(slots)]
+        smallest = min(sum(self.shard_sizes[i] for i in slot) for slot in shards)
+        if smallest < self.batch_size:
+            raise StreamingError(f"In epoch {epoch} a reader gets only {smallest} samples, less than one batch of "
+                                 f"{self.batch_size}: use fewer readers (processes x workers) or a smaller batch")
+        return shards, smallest // self.batch_size
+
+    def batches_per_epoch(self, epoch: int = 0) -> int:
+        """Batches (steps without accumulation) each rank takes in ``epoch``."""
+        return self.plan(epoch)[1] * self.slots_per_rank
+
+    # --- the resume state, kept in the main process ---
+    def state_dict(self) -> dict:
+        """This rank's position: ``epoch`` and ``batches`` taken in it, plus the layout it needs."""
+        epoch, batches = self._position
+        return {"epoch": epoch, "batches": batches, "seed": self.seed, "world_size": self.world_size,
+                "num_workers": self.num_workers, "batch_size": self.batch_size, "num_shards": self.num_shards,
+                "shuffle_buffer": self.shuffle_buffer}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (of :meth:`state_dict`); the layout must be the same.
+
+        Raises:
+            StreamingError: naming each field that differs.
+        """
+        layout = ("seed", "world_size", "num_workers", "batch_size", "num_shards", "shuffle_buffer")
+        differ = [f"{k}: checkpoint {state.get(k)!r}, now {getattr(self, k)!r}" for k in layout
+                  if state.get(k) != getattr(self, k)]
+        if differ:
+            raise StreamingError("Cannot resume the stream exactly with a different layout (" + "; ".join(differ)
+                                 + "): resume with the same settings")
+        self._position = (int(state["epoch"]), int(state["batches"]))
+
+    def loader(self, pin_memory: bool = False, prefetch_factor: int | None = None,
+               multiprocessing_context=None) -> StreamLoader:
+        """The iterable of batches for training (one pass = one epoch), see :class:`StreamLoader`."""
+        return StreamLoader(self, pin_memory, prefetch_factor, multiprocessing_context)
+
+    # --- reading, in the workers ---
+    def _raw_samples(self, shards: list[int], start: int):
+        """Raw samples of the concatenation of ``shards`` from index ``start`` (tar reads only)."""
+        for index in shards:
+            n = self.shard_sizes[index]
+            if start >= n:
+                start -= n
+                continue
+            part = self._shard(index)
+            part = part.skip(start) if start else part
+            start = 0
+            for chunk in part.iter(batch_size=_READ_CHUNK):
+                keys = chunk.get("__key__") or [None] * len(chunk[self.image_column])
+                yield from zip(chunk[self.image_column], keys, strict=True)
+
+    def _slot_samples(self, epoch: int, slot: int, shards: list[int], start: int, stop: int):
+        """Samples ``start..stop-1`` of the slot's shuffled stream; reading begins at ``start``'s block."""
+        size = self.shuffle_buffer
+        block = start // size
+        raw = self._raw_samples(shards, block * size)
+        index = block * size
+        while index < stop:
+            items = [s for _, s in zip(range(size), raw, strict=False)]
+            if not items:
+                return
+            perm = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, slot, block, 2])).permutation(len(items))
+            for i in perm:
+                if start <= index < stop:
+                    yield items[i]
+                index += 1
+            block += 1
+
+    def _decode(self, samples: list) -> torch.Tensor:
+        arrays = []
+        for value, key in samples:
+            data = value.get("bytes")
+            if data is None:
+                with open(value["path"], "rb") as f:
+                    data = f.read()
+            try:
+                arrays.append(decode_resized(data, self.source_size))
+            except Exception as error:
+                raise ValueError(f"Sample {key!r} of column {self.image_column!r} cannot be decoded: {error}") from error
+        self.decoded += len(arrays)
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (B, 3, R, R) uint8
+
+    def __iter__(self):
+        epoch, taken = self._start
+        shards, per_slot = self.plan(epoch)
+        info = torch.utils.data.get_worker_info()
+        workers = self.slots_per_rank
+        if (info.num_workers if info else 1) != workers:
+            raise StreamingError(f"Configured for {self.num_workers} workers but iterated by "
+                                 f"{info.num_workers if info else 0}: iterate through loader()")
+        role = ((info.id if info else 0) + taken) % workers  # rotation: round-robin resumes where it stopped
+        slot = self.rank * workers + role
+        first = -(-(taken - role) // workers) if taken > role else 0  # batches of this role already taken
+        b = self.batch_size
+        samples = self._slot_samples(epoch, slot, shards[slot], first * b, per_slot * b)
+        for c in range(first, per_slot):
+            batch_samples = [s for _, s in zip(range(b), samples, strict=False)]
+            images = self._decode(batch_samples)
+            seed = views_seed(self.seed, epoch, [slot, c])
+            out = {"stream_index": torch.tensor(c * workers + role)}
+            if self.device_augmentation:
+                out.update(images=images, view_seed=torch.tensor(seed))
+            else:
+                generator = torch.Generator().manual_seed(seed)
+                x = images.float() / 255  # (B, 3, R, R)
+                out.update(pixel_values=self.augmentation._tensor_view(x, generator),
+                           pixel_values_2=self.augmentation._tensor_view(x, generator))
+            if self.return_keys:
+                out["__key__"] = [k for _, k in batch_samples]
+            yield out
+
+
+class StreamLoader:
+    """One pass = one epoch of this rank's batches, in order; tracks the rank's position.
+
+    A plain ``torch.utils.data.DataLoader`` (``batch_size=None``: the dataset batches) that
+    Accelerate never prepares, so it neither dispatches batches from rank 0 nor shards the stream a
+    second time. Workers are not persistent: each epoch's workers get the epoch's start position.
+    """
+
+    def __init__(self, dataset: StreamingTwoViewDataset, pin_memory=False, prefetch_factor=None,
+                 multiprocessing_context=None):
+        self.dataset = dataset
+        self.kwargs = dict(pin_memory=pin_memory, multiprocessing_context=multiprocessing_context)
+        if dataset.num_workers:
+            self.kwargs["prefetch_factor"] = prefetch_factor
+
+    def __iter__(self):
+        ds = self.dataset
+        epoch, taken = ds._position
+        if taken >= ds.batches_per_epoch(epoch):  # stopped right at the end of an epoch
+            epoch, taken = epoch + 1, 0
+        ds._position = ds._start = (epoch, taken)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=ds.num_workers or 0, **self.kwargs)
+        for batch in loader:
+            index = int(batch.pop("stream_index"))
+            if index != taken:
+                raise RuntimeError(f"Stream batches out of order: got batch {index}, expected {taken}")
+            taken += 1
+            ds._position = (epoch, taken)
+            yield batch
+        ds._position = (epoch + 1, 0)
+
+
+def streaming_two_view_dataset(dataset: datasets.IterableDataset, augmentation: TwoViewAugmentation,
+                               image_column: str | None = None, seed: int = 0, **kwargs) -> StreamingTwoViewDataset:
+    """``dataset`` (a stream) as a :class:`StreamingTwoViewDataset`; ``kwargs`` as its constructor."""
+    return StreamingTwoViewDataset(dataset, augmentation, image_column, seed, **kwargs)
+
+
+def steps_for_epochs(dataset: StreamingTwoViewDataset, epochs: float) -> int:
+    """``max_steps`` for about ``epochs`` passes over the stream (the dataset must be configured)."""
+    return max(1, math.ceil(epochs * dataset.batches_per_epoch()))
