@@ -18,7 +18,14 @@ from .evaluation import extract_features, knn_accuracy, knn_top1
 from .export import export_encoder
 from .grad_cache import grad_cache_step
 from .hub import HubPushError, push_encoder_to_hub
-from .losses import info_nce_logits, info_nce_loss, nt_xent_logits, nt_xent_loss
+from .losses import (
+    debiased_contrastive_loss,
+    info_nce_logits,
+    info_nce_loss,
+    multi_positive_info_nce,
+    nt_xent_logits,
+    nt_xent_loss,
+)
 from .memory_probe import ActivationProbe, peak_memory_bytes, probe_activation_memory
 from .metrics import ContrastiveMetrics
 from .model_card import EncoderCardData
@@ -71,6 +78,7 @@ __all__ = [
     "extract_features",
     "find_image_column",
     "grad_cache_step",
+    "debiased_contrastive_loss",
     "info_nce_logits",
     "info_nce_loss",
     "key_consistency",
@@ -81,6 +89,7 @@ __all__ = [
     "momentum_at",
     "negatives_per_anchor",
     "nt_xent_logits",
+    "multi_positive_info_nce",
     "nt_xent_loss",
     "parameter_drift",
     "peak_memory_bytes",

@@ -11,7 +11,7 @@ from transformers.utils import logging
 from . import distributed
 from .backbone import build_encoder_and_head
 from .configuration import MoCoConfig
-from .losses import info_nce_logits
+from .losses import contrastive_loss, info_nce_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .momentum import ema_update_, enqueue_
 from .split_batch_norm import convert_split_batch_norm, split_batch_norm
@@ -155,7 +155,7 @@ class MoCoModel(ContrastivePreTrainedModel):
             logits_2, labels_2 = info_nce_logits(q2, k1, negatives, t)
             logits, labels = torch.cat([logits, logits_2]), torch.cat([labels, labels_2])  # (2B, 1 + K)
             embeddings, keys = torch.cat([q1, q2]), torch.cat([k2, k1])
-        loss = F.cross_entropy(logits, labels) if return_loss else None
+        loss = contrastive_loss(logits, labels, t, self.config.tau_plus) if return_loss else None
         return ContrastiveOutput(
             loss=loss, logits=logits, labels=labels, embeddings=embeddings, queue_keys=keys,
             num_negatives=negatives.shape[0],

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from timm.layers import convert_sync_batchnorm
 
 from . import distributed
 from .backbone import build_encoder_and_head
 from .configuration import SimCLRConfig
-from .losses import nt_xent_logits
+from .losses import contrastive_loss, nt_xent_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 
 
@@ -59,7 +58,7 @@ class SimCLRModel(ContrastivePreTrainedModel):
                 rank=distributed.rank(),
             )
         logits, labels = nt_xent_logits(z_a, z_b, self.config.temperature, **kwargs)  # (2N, 2M), (2N,)
-        loss = F.cross_entropy(logits, labels) if return_loss else None
+        loss = contrastive_loss(logits, labels, self.config.temperature, self.config.tau_plus) if return_loss else None
         return ContrastiveOutput(
             loss=loss, logits=logits, labels=labels, embeddings=z, num_negatives=logits.shape[1] - 2
         )
