@@ -5,6 +5,7 @@ from transformers import AutoConfig, AutoModel
 from .backbone import ProjectionHead, create_backbone
 from .checkpointing import CheckpointError, check_checkpoint, last_complete_checkpoint
 from .configuration import ContrastiveConfig, MoCoConfig, SimCLRConfig
+from .corpus import false_negative_estimate
 from .data import (
     TwoViewAugmentation,
     TwoViewDataset,
@@ -33,8 +34,15 @@ from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, enqueue_, momentum_at
-from .monitors import KNNMonitor, QueueConsistencyMonitor, RepresentationMonitor, TrainingMonitor
+from .monitors import (
+    FalseNegativeMonitor,
+    KNNMonitor,
+    QueueConsistencyMonitor,
+    RepresentationMonitor,
+    TrainingMonitor,
+)
 from .negatives import negatives_per_anchor
+from .queue import NegativeQueue
 from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback, NonFiniteLossError
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
@@ -55,9 +63,11 @@ __all__ = [
     "ContrastiveTrainingArguments",
     "EncoderCardData",
     "HubPushError",
+    "FalseNegativeMonitor",
     "KNNMonitor",
     "MoCoConfig",
     "MoCoModel",
+    "NegativeQueue",
     "MomentumCallback",
     "NonFiniteLossError",
     "ProjectionHead",
@@ -76,6 +86,7 @@ __all__ = [
     "eval_dataset",
     "export_encoder",
     "extract_features",
+    "false_negative_estimate",
     "find_image_column",
     "grad_cache_step",
     "debiased_contrastive_loss",

@@ -13,6 +13,11 @@ import torch
 import torch.nn.functional as F
 
 
+def _no_autocast(x: torch.Tensor):
+    """Autocast off for ``x``'s device (the meta device, used to check for host syncs, has none)."""
+    return torch.autocast(device_type="cpu" if x.device.type == "meta" else x.device.type, enabled=False)
+
+
 def _fp32_normalize(x: torch.Tensor) -> torch.Tensor:
     return F.normalize(x.float(), dim=-1)
 
@@ -50,7 +55,7 @@ def nt_xent_logits(
     z_a_all = z_a if z_a_all is None else z_a_all
     z_b_all = z_b if z_b_all is None else z_b_all
     n, m = z_a.shape[0], z_a_all.shape[0]
-    with torch.autocast(device_type=z_a.device.type, enabled=False):
+    with _no_autocast(z_a):
         anchors = _fp32_normalize(torch.cat([z_a, z_b]))  # (2N, D)
         candidates = _fp32_normalize(torch.cat([z_a_all, z_b_all]))  # (2M, D)
         logits = anchors @ candidates.T / temperature  # (2N, 2M)
@@ -89,7 +94,7 @@ def info_nce_logits(
     Returns:
         ``(logits, labels)``: float32 logits ``(N, 1 + K)`` and zeros ``(N,)``.
     """
-    with torch.autocast(device_type=query.device.type, enabled=False):
+    with _no_autocast(query):
         q = _fp32_normalize(query)  # (N, D)
         k = _fp32_normalize(key)  # (N, D)
         neg = _fp32_normalize(negatives)  # (K, D)
@@ -137,7 +142,7 @@ def debiased_contrastive_loss(
     """
     if not 0.0 <= tau_plus < 1.0:
         raise ValueError(f"tau_plus={tau_plus!r} is invalid: tau_plus must be in [0, 1) (0.1 in the paper)")
-    with torch.autocast(device_type=logits.device.type, enabled=False):
+    with _no_autocast(logits):
         logits = logits.float()
         rows = torch.arange(logits.shape[0], device=logits.device)
         pos_logit = logits[rows, labels]  # (A,)
@@ -165,7 +170,7 @@ def multi_positive_info_nce(logits: torch.Tensor, positive_mask: torch.Tensor) -
     Returns:
         The mean loss over anchors (float32).
     """
-    with torch.autocast(device_type=logits.device.type, enabled=False):
+    with _no_autocast(logits):
         log_prob = torch.log_softmax(logits.float(), dim=1)  # (A, C)
         pos = positive_mask.to(log_prob.dtype)
         picked = torch.where(positive_mask, log_prob, torch.zeros_like(log_prob)).sum(1)  # (A,) no -inf * 0
