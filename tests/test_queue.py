@@ -127,3 +127,25 @@ def test_training_step_needs_no_host_sync():
         assert (m.queue_ptr, m.queue_filled) == (10, 12)  # host ints: 6 + 16 keys wrap around 12 slots
         with pytest.raises(Exception):  # noqa: B017 - any error: the point is that a sync is attempted
             m.enqueue(out.queue_keys, out.queue_instance_ids, check_finite=True)
+
+
+def test_trainer_passes_instance_ids_from_two_view_dataset(digits, tmp_path):
+    from hf_contrast import (
+        ContrastiveTrainer,
+        ContrastiveTrainingArguments,
+        TwoViewAugmentation,
+        two_view_dataset,
+    )
+
+    m = moco(queue_size=24)
+    train = two_view_dataset(digits["train"].select(range(32)), TwoViewAugmentation.small_images(32))
+    args = ContrastiveTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=4,
+                                        logging_steps=4, use_cpu=True, report_to="none", disable_tqdm=True,
+                                        save_strategy="no", dataloader_num_workers=0)
+    trainer = ContrastiveTrainer(model=m, args=args, train_dataset=train)
+    trainer.train()
+    ids, steps = m.queue.instance_ids.tolist(), m.queue.entry_steps.tolist()
+    assert sorted(ids) == sorted(set(ids)) and set(ids) <= set(range(32)) and len(ids) == 24  # 24 distinct images
+    assert sorted(steps) == [1] * 8 + [2] * 8 + [3] * 8  # the oldest 8 of step 0 were overwritten
+    log = next(h for h in trainer.state.log_history if "num_negatives" in h)
+    assert isinstance(log["num_negatives"], float) and log["num_negatives"] <= 24
