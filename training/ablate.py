@@ -263,7 +263,8 @@ def write_false_negative_report(output_dir: str, command: str) -> None:
              "Recipe as in `results/ablation` (MoCo, resnet18 at 32 px, momentum 0.99, 5 epochs = 155 steps, seed 0). "
              "`num_negatives`: the mean per anchor after masking, last training log. Same class / FNC precision: "
              "FalseNegativeMonitor on 256 held-out digits at the end (share of queued keys of the query's class; "
-             "same-class share of the top-10 candidates cancellation takes).", "",
+             "same-class share of the top-10 candidates cancellation takes). A run without false-negative options "
+             "(the `no masking` row) is the committed `results/ablation` run, its JSON copied into `runs/`.", "",
              "| queue size | variant | seed | kNN top-1 | num_negatives | queue same class | FNC precision "
              "| final loss | minutes |", "|---|---|---|---|---|---|---|---|---|", *rows, ""]
     with open(os.path.join(output_dir, "README.md"), "w") as f:
