@@ -70,7 +70,7 @@ def main():
     moco.enqueue(F.normalize(torch.randn(a.queue_size, moco.config.projection_dim), dim=1))  # a full queue
     torch.manual_seed(0)
     split = MoCoModel(MoCoConfig(queue_size=a.queue_size, key_bn_splits=a.split_bn_splits, **common))
-    split.enqueue(moco.queue.clone())
+    split.enqueue(moco.queue.keys.clone())
     simclr = SimCLRModel(SimCLRConfig(**common))
     sgd = lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9)  # noqa: E731
     steps = {

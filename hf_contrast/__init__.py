@@ -5,6 +5,7 @@ from transformers import AutoConfig, AutoModel
 from .backbone import ProjectionHead, create_backbone
 from .checkpointing import CheckpointError, check_checkpoint, last_complete_checkpoint
 from .configuration import ContrastiveConfig, MoCoConfig, SimCLRConfig
+from .corpus import false_negative_estimate
 from .data import (
     TwoViewAugmentation,
     TwoViewDataset,
@@ -19,7 +20,14 @@ from .evaluation import extract_features, knn_accuracy, knn_top1
 from .export import export_encoder
 from .grad_cache import grad_cache_step
 from .hub import HubPushError, push_encoder_to_hub
-from .losses import info_nce_logits, info_nce_loss, nt_xent_logits, nt_xent_loss
+from .losses import (
+    debiased_contrastive_loss,
+    info_nce_logits,
+    info_nce_loss,
+    multi_positive_info_nce,
+    nt_xent_logits,
+    nt_xent_loss,
+)
 from .memory_probe import ActivationProbe, peak_memory_bytes, probe_activation_memory
 from .metrics import ContrastiveMetrics
 from .model_card import EncoderCardData
@@ -27,8 +35,15 @@ from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .modeling_moco import MoCoModel
 from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, enqueue_, momentum_at
-from .monitors import KNNMonitor, QueueConsistencyMonitor, RepresentationMonitor, TrainingMonitor
+from .monitors import (
+    FalseNegativeMonitor,
+    KNNMonitor,
+    QueueConsistencyMonitor,
+    RepresentationMonitor,
+    TrainingMonitor,
+)
 from .negatives import negatives_per_anchor
+from .queue import NegativeQueue
 from .shards import write_shards
 from .streaming import StreamingError, StreamingTwoViewDataset, streaming_two_view_dataset
 from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback, NonFiniteLossError
@@ -52,9 +67,11 @@ __all__ = [
     "DeviceAugmentation",
     "EncoderCardData",
     "HubPushError",
+    "FalseNegativeMonitor",
     "KNNMonitor",
     "MoCoConfig",
     "MoCoModel",
+    "NegativeQueue",
     "MomentumCallback",
     "NonFiniteLossError",
     "ProjectionHead",
@@ -75,8 +92,10 @@ __all__ = [
     "eval_dataset",
     "export_encoder",
     "extract_features",
+    "false_negative_estimate",
     "find_image_column",
     "grad_cache_step",
+    "debiased_contrastive_loss",
     "info_nce_logits",
     "info_nce_loss",
     "key_consistency",
@@ -87,6 +106,7 @@ __all__ = [
     "momentum_at",
     "negatives_per_anchor",
     "nt_xent_logits",
+    "multi_positive_info_nce",
     "nt_xent_loss",
     "parameter_drift",
     "peak_memory_bytes",

@@ -21,6 +21,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 MOMENTUM_SCHEDULES = ("constant", "cosine")
+FALSE_NEGATIVE_MODES = (None, "eliminate", "attract")
 
 
 def check_timm_name(name: str, field: str = "backbone") -> None:
@@ -69,6 +70,15 @@ class ContrastiveConfig(PreTrainedConfig):
             collapse onto one direction.
         temperature: softmax temperature of the contrastive loss, > 0.
         image_size: side of the square training crops; recorded for export and checked against data.
+        tau_plus: class prior of the debiased contrastive loss (Chuang et al. 2020), in [0, 1);
+            0 (default) is plain InfoNCE / NT-Xent. See :func:`hf_contrast.losses.debiased_contrastive_loss`.
+        false_negatives: false-negative cancellation (Huynh et al. 2022): ``None`` (off),
+            ``"eliminate"`` (drop, per anchor, the ``false_negative_top_k`` negatives most similar to
+            the anchor's views from the denominator) or ``"attract"`` (also use them as extra
+            positives). See :mod:`hf_contrast.false_negatives`.
+        false_negative_top_k: how many candidates per anchor cancellation may take (FNC's ``fn_topk``).
+        false_negative_threshold: also require a candidate's similarity to exceed this cosine
+            (FNC's ``fn_threshold``, 0.7 in their code); ``None``: top-k alone.
     """
 
     backbone: str = "resnet50"
@@ -80,9 +90,14 @@ class ContrastiveConfig(PreTrainedConfig):
     projection_output_batch_norm: bool = False
     temperature: float = 0.2
     image_size: int = 224
+    tau_plus: float = 0.0
+    false_negatives: Literal["eliminate", "attract"] | None = None
+    false_negative_top_k: int = 10
+    false_negative_threshold: float | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        self._check_false_negative_fields()
         if self.backbone_kwargs is None:
             self.backbone_kwargs = {}
         check_timm_name(self.backbone)
@@ -94,6 +109,18 @@ class ContrastiveConfig(PreTrainedConfig):
         _check(lambda: self.projection_layers >= 1, "projection_layers", self.projection_layers, "an integer >= 1")
         _check(lambda: self.temperature > 0, "temperature", self.temperature, "a float > 0 (0.07 to 0.5 is usual)")
         _check(lambda: self.image_size >= 1, "image_size", self.image_size, "an integer >= 1 (pixels)")
+
+
+    def _check_false_negative_fields(self) -> None:
+        _check(lambda: 0.0 <= self.tau_plus < 1.0, "tau_plus", self.tau_plus, "a float in [0, 1) (0: InfoNCE; 0.1 in the paper)")
+        _check(self.false_negatives in FALSE_NEGATIVE_MODES, "false_negatives", self.false_negatives,
+               f"one of {FALSE_NEGATIVE_MODES}")
+        _check(lambda: self.false_negative_top_k >= 1, "false_negative_top_k", self.false_negative_top_k,
+               "an integer >= 1 (10 in FNC)")
+        _check(lambda: self.false_negative_threshold is None or -1.0 <= self.false_negative_threshold <= 1.0,
+               "false_negative_threshold", self.false_negative_threshold, "None or a cosine in [-1, 1] (0.7 in FNC)")
+        _check(not (self.tau_plus > 0 and self.false_negatives == "attract"), "tau_plus", self.tau_plus,
+               "0 when false_negatives='attract' (the debiased loss has a single positive)")
 
 
 @strict(accept_kwargs=True)
@@ -118,6 +145,9 @@ class MoCoConfig(ContrastiveConfig):
             of the batch rather than the query's batch. 1 turns it off; ignored on several processes
             (there shuffle-BN across processes does the job). Backbones without BatchNorm
             (ViT, ConvNeXt) need neither.
+        exclude_same_instance: mask, in each query's logits, the queued keys of its own image
+            (instance ids stored beside the keys; items carry ``instance_id``). On a narrow corpus a
+            large queue otherwise holds earlier keys of the anchor's own image as negatives.
     """
 
     model_type = "hf_contrast_moco"
@@ -128,6 +158,7 @@ class MoCoConfig(ContrastiveConfig):
     symmetric_loss: bool = False
     shuffle_bn: bool = True
     key_bn_splits: int = 4
+    exclude_same_instance: bool = True
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -176,3 +207,6 @@ class SimCLRConfig(ContrastiveConfig):
             isinstance(self.grad_cache_chunk_size, int) and not isinstance(self.grad_cache_chunk_size, bool)
             and self.grad_cache_chunk_size >= 1), "grad_cache_chunk_size", self.grad_cache_chunk_size,
             "None (off) or an integer >= 1 (images per chunk)")
+        _check(self.grad_cache_chunk_size is None or (self.tau_plus == 0 and self.false_negatives is None),
+               "grad_cache_chunk_size", self.grad_cache_chunk_size,
+               "None when tau_plus > 0 or false_negatives is set (the cached step computes plain NT-Xent)")

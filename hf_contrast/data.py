@@ -195,7 +195,9 @@ class TwoViewDataset(torch.utils.data.Dataset):
     calls it before every epoch itself: Accelerate forwards ``set_epoch`` to the dataset only when
     the sampler has none, which is never the case under DDP or on resume.
 
-    Items are ``{"pixel_values": (3, S, S), "pixel_values_2": (3, S, S)}`` float tensors.
+    Items are ``{"pixel_values": (3, S, S), "pixel_values_2": (3, S, S)}`` float tensors and
+    ``"instance_id"``, the item's index in the dataset (a long tensor): MoCo stores it beside each
+    queued key so that a query never meets its own image as a negative.
     """
 
     def __init__(self, dataset: datasets.Dataset, augmentation: TwoViewAugmentation, image_column: str | None = None,
@@ -208,7 +210,7 @@ class TwoViewDataset(torch.utils.data.Dataset):
         self.seed = seed
         self._epoch = torch.zeros((), dtype=torch.long).share_memory_()  # seen by forked/spawned workers
 
-    column_names = ["pixel_values", "pixel_values_2"]
+    column_names = ["pixel_values", "pixel_values_2", "instance_id"]
 
     @property
     def epoch(self) -> int:
@@ -229,7 +231,8 @@ class TwoViewDataset(torch.utils.data.Dataset):
         images = self._images(indices)
         generator = torch.Generator().manual_seed(views_seed(self.seed, self.epoch, indices))
         v1, v2 = self.augmentation.batch(images, generator=generator)  # (B, 3, S, S) each
-        return [{"pixel_values": a, "pixel_values_2": b} for a, b in zip(v1, v2, strict=True)]
+        return [{"pixel_values": a, "pixel_values_2": b, "instance_id": torch.tensor(i)}
+                for a, b, i in zip(v1, v2, indices, strict=True)]
 
     def _images(self, indices: list[int]) -> list:
         try:

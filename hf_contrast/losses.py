@@ -13,6 +13,11 @@ import torch
 import torch.nn.functional as F
 
 
+def _no_autocast(x: torch.Tensor):
+    """Autocast off for ``x``'s device (the meta device, used to check for host syncs, has none)."""
+    return torch.autocast(device_type="cpu" if x.device.type == "meta" else x.device.type, enabled=False)
+
+
 def _fp32_normalize(x: torch.Tensor) -> torch.Tensor:
     return F.normalize(x.float(), dim=-1)
 
@@ -50,7 +55,7 @@ def nt_xent_logits(
     z_a_all = z_a if z_a_all is None else z_a_all
     z_b_all = z_b if z_b_all is None else z_b_all
     n, m = z_a.shape[0], z_a_all.shape[0]
-    with torch.autocast(device_type=z_a.device.type, enabled=False):
+    with _no_autocast(z_a):
         anchors = _fp32_normalize(torch.cat([z_a, z_b]))  # (2N, D)
         candidates = _fp32_normalize(torch.cat([z_a_all, z_b_all]))  # (2M, D)
         logits = anchors @ candidates.T / temperature  # (2N, 2M)
@@ -89,7 +94,7 @@ def info_nce_logits(
     Returns:
         ``(logits, labels)``: float32 logits ``(N, 1 + K)`` and zeros ``(N,)``.
     """
-    with torch.autocast(device_type=query.device.type, enabled=False):
+    with _no_autocast(query):
         q = _fp32_normalize(query)  # (N, D)
         k = _fp32_normalize(key)  # (N, D)
         neg = _fp32_normalize(negatives)  # (K, D)
@@ -105,4 +110,83 @@ def info_nce_loss(
 ) -> torch.Tensor:
     """MoCo's InfoNCE loss: cross-entropy picking each query's key among 1 + K candidates."""
     logits, labels = info_nce_logits(query, key, negatives, temperature)
+    return F.cross_entropy(logits, labels)
+
+
+def debiased_contrastive_loss(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, tau_plus: float
+) -> torch.Tensor:
+    """Debiased contrastive loss (Chuang et al. 2020, eq. 6 / their ``criterion``), over logits.
+
+    For anchor i with positive term ``pos = exp(s+ / t)``, its N_i negative terms ``neg_j = exp(s_j / t)``
+    (every finite logit of the row except the positive's; ``-inf`` entries are excluded and not
+    counted) and class prior ``tau_plus``::
+
+        Ng  = max((sum_j neg_j - tau_plus * N_i * pos) / (1 - tau_plus), N_i * exp(-1 / t))
+        l_i = -log(pos / (pos + Ng))
+
+    The clamp at ``N_i * exp(-1/t)`` is the paper's (the smallest value the negatives' sum can take
+    for cosine similarities). With ``tau_plus = 0`` this is InfoNCE exactly whenever every logit is
+    a cosine divided by ``t`` (as :func:`info_nce_logits` and :func:`nt_xent_logits` make them):
+    each ``neg_j >= exp(-1/t)``, so the clamp cannot bind. It binds (and the loss differs from
+    InfoNCE) only for logits below ``-1/t``, i.e. similarities that are not cosines.
+
+    Args:
+        logits: ``(A, C)`` similarities / temperature; ``-inf`` marks excluded candidates.
+        labels: ``(A,)`` column of each anchor's positive.
+        temperature: the ``t`` the logits were divided by (> 0).
+        tau_plus: class prior, in [0, 1).
+
+    Returns:
+        The mean loss over anchors (float32).
+    """
+    if not 0.0 <= tau_plus < 1.0:
+        raise ValueError(f"tau_plus={tau_plus!r} is invalid: tau_plus must be in [0, 1) (0.1 in the paper)")
+    with _no_autocast(logits):
+        logits = logits.float()
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        pos_logit = logits[rows, labels]  # (A,)
+        neg = logits.index_put((rows, labels), torch.tensor(float("-inf"), device=logits.device))  # (A, C)
+        n = (neg > float("-inf")).sum(1).to(logits.dtype)  # (A,) negatives per anchor
+        shift = torch.maximum(pos_logit, neg.amax(1)).detach()  # (A,) for a stable exp
+        pos = torch.exp(pos_logit - shift)  # (A,) exp(s+/t), scaled by exp(-shift)
+        neg_sum = torch.exp(neg - shift[:, None]).sum(1)  # (A,) sum_j exp(s_j/t), same scale
+        ng = (neg_sum - tau_plus * n * pos) / (1.0 - tau_plus)
+        ng = torch.maximum(ng, n * torch.exp(-1.0 / temperature - shift))  # the paper's clamp
+        return (torch.log(pos + ng) - (pos_logit - shift)).mean()
+
+
+def multi_positive_info_nce(logits: torch.Tensor, positive_mask: torch.Tensor) -> torch.Tensor:
+    """InfoNCE with several positives per anchor (FNC's attraction, SupCon's form).
+
+    ``l_i = -1/|P_i| * sum_{p in P_i} log(exp(logits_ip) / sum_c exp(logits_ic))``: the softmax runs
+    over every finite candidate of the row (positives included), and the log-probabilities of the
+    positives are averaged.
+
+    Args:
+        logits: ``(A, C)``; ``-inf`` marks excluded candidates.
+        positive_mask: ``(A, C)`` bool, True for each positive (at least one per row).
+
+    Returns:
+        The mean loss over anchors (float32).
+    """
+    with _no_autocast(logits):
+        log_prob = torch.log_softmax(logits.float(), dim=1)  # (A, C)
+        pos = positive_mask.to(log_prob.dtype)
+        picked = torch.where(positive_mask, log_prob, torch.zeros_like(log_prob)).sum(1)  # (A,) no -inf * 0
+        return (-picked / pos.sum(1).clamp(min=1.0)).mean()
+
+
+def contrastive_loss(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, tau_plus: float = 0.0,
+    positive_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loss the models train with: cross-entropy (InfoNCE / NT-Xent), the debiased loss when
+    ``tau_plus > 0``, or the multi-positive InfoNCE when ``positive_mask`` is given (FNC attract)."""
+    if positive_mask is not None:
+        if tau_plus > 0:
+            raise ValueError("tau_plus > 0 cannot be combined with false_negatives='attract'")
+        return multi_positive_info_nce(logits, positive_mask)
+    if tau_plus > 0:
+        return debiased_contrastive_loss(logits, labels, temperature, tau_plus)
     return F.cross_entropy(logits, labels)

@@ -15,7 +15,8 @@ class ContrastiveMetrics:
     * ``pos_cosine`` / ``neg_cosine``: mean cosine similarity of anchors to positives / negatives;
     * ``embedding_std``: mean per-dimension std of the normalised anchor embeddings (about
       ``1/sqrt(D)`` when healthy, near 0 on collapse);
-    * ``num_negatives``: negatives per anchor of the latest micro-batch.
+    * ``num_negatives``: negatives per anchor of the latest micro-batch (the mean per anchor after
+      masking same-instance keys or cancelled false negatives).
 
     Values are averaged over processes when several train together.
     """
@@ -36,10 +37,15 @@ class ContrastiveMetrics:
         # Entries masked with -inf per row: SimCLR masks each anchor itself (1), MoCo nothing (0). A
         # clamp at the smallest finite logit (cosine -1) turns them into a known constant, which is far
         # cheaper than an isfinite mask over a (256, 65537) MoCo logit matrix (about 165 ms -> 2-25 ms).
-        masked = logits.shape[1] - 1 - outputs.num_negatives
         lo = -1.0 / self.temperature
-        total = logits.clamp(min=lo).sum(1) - masked * lo if masked else logits.sum(1)  # (A,)
-        neg_mean = (total - pos) / max(outputs.num_negatives, 1)  # (A,) 0 when there are no negatives
+        if outputs.negative_counts is not None:  # per-row masks (same-instance keys, FNC)
+            kept = outputs.negative_counts.to(logits.dtype)  # (A,)
+            total = logits.clamp(min=lo).sum(1) - (logits.shape[1] - 1 - kept) * lo  # (A,)
+            neg_mean = (total - pos) / kept.clamp(min=1)  # (A,)
+        else:
+            masked = logits.shape[1] - 1 - outputs.num_negatives
+            total = logits.clamp(min=lo).sum(1) - masked * lo if masked else logits.sum(1)  # (A,)
+            neg_mean = (total - pos) / max(outputs.num_negatives, 1)  # (A,) 0 when there are no negatives
         z = torch.nn.functional.normalize(outputs.embeddings.detach().float(), dim=1)  # (A, D)
         values = torch.stack([
             (logits.argmax(1) == labels).float().mean(),
@@ -49,12 +55,13 @@ class ContrastiveMetrics:
         ])
         self.sums = values if self.sums is None else self.sums + values
         self.count += 1
-        self.num_negatives = int(outputs.num_negatives)
+        self.num_negatives = outputs.num_negatives  # an int, or a 0-d tensor (mean after masking): no sync here
 
     def compute_and_reset(self) -> dict[str, float]:
         means = self.sums / self.count
         means = distributed.gather_no_grad(means.unsqueeze(0)).mean(0)  # average over processes
         out = {name: round(float(v), 4) for name, v in zip(self.names, means, strict=False)}
-        out["num_negatives"] = self.num_negatives
+        n = self.num_negatives
+        out["num_negatives"] = round(float(n), 2) if isinstance(n, torch.Tensor) else n
         self.sums, self.count = None, 0
         return out

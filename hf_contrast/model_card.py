@@ -83,6 +83,10 @@ class EncoderCardData:
         gather_distributed: SimCLR: views gathered from all processes.
         queue_size, momentum, momentum_schedule, symmetric_loss: MoCo's queue and key encoder.
         negatives: negatives per anchor; computed from the fields above when ``None``.
+        measured_negatives: the mean negatives per anchor after masking, as last logged
+            (``num_negatives`` in ``log_history``; default: taken from it).
+        exclude_same_instance, false_negatives, false_negative_top_k, tau_plus: how false negatives
+            were handled (same-instance masking, cancellation, the debiased loss's prior).
         augmentations: description of the two-view augmentation.
         steps, epochs: optimizer steps and epochs trained.
         knn_top1: kNN top-1 of the exported encoder (default: the last ``knn_top1`` in ``log_history``).
@@ -113,6 +117,11 @@ class EncoderCardData:
     momentum_schedule: str | None = None
     symmetric_loss: bool | None = None
     negatives: int | None = None
+    measured_negatives: float | None = None
+    exclude_same_instance: bool | None = None
+    false_negatives: str | None = None
+    false_negative_top_k: int | None = None
+    tau_plus: float | None = None
     augmentations: str | None = None
     steps: int | None = None
     epochs: float | None = None
@@ -128,6 +137,9 @@ class EncoderCardData:
     def __post_init__(self):
         if self.knn_top1 is None:
             self.knn_top1 = next((h["knn_top1"] for h in reversed(self.log_history) if "knn_top1" in h), None)
+        if self.measured_negatives is None:
+            self.measured_negatives = next(
+                (h["num_negatives"] for h in reversed(self.log_history) if "num_negatives" in h), None)
 
     @classmethod
     def from_model(cls, model, augmentation=None, **overrides) -> EncoderCardData:
@@ -159,6 +171,10 @@ class EncoderCardData:
             momentum=cfg.momentum if moco else None,
             momentum_schedule=cfg.momentum_schedule if moco else None,
             symmetric_loss=cfg.symmetric_loss if moco else None,
+            exclude_same_instance=cfg.exclude_same_instance if moco else None,
+            false_negatives=getattr(cfg, "false_negatives", None),
+            false_negative_top_k=getattr(cfg, "false_negative_top_k", None),
+            tau_plus=getattr(cfg, "tau_plus", 0.0),
         )
         if augmentation is not None:
             fields.update(mean=tuple(augmentation.mean), std=tuple(augmentation.std),
@@ -232,6 +248,19 @@ class EncoderCardData:
         return text
 
     @property
+    def false_negative_note(self) -> str:
+        """How negatives that may not be negatives were treated, in one line."""
+        parts = []
+        if self.exclude_same_instance:
+            parts.append("queued keys of the anchor's own image were masked")
+        if self.false_negatives:
+            parts.append(f"false-negative cancellation ({self.false_negatives}, top {self.false_negative_top_k} "
+                         "per anchor by similarity to its two views)")
+        if self.tau_plus:
+            parts.append(f"debiased loss (tau_plus={self.tau_plus})")
+        return "; ".join(parts) if parts else "none"
+
+    @property
     def accumulation_note(self) -> str:
         g = self.gradient_accumulation_steps
         return (f"Gradient accumulation: {g} micro-batch(es) per optimizer step. Accumulation averages gradients "
@@ -269,6 +298,7 @@ class EncoderCardData:
         return ModelCard.from_template(
             self.to_model_card_data(), template_str=template_text,
             card=values, global_batch_size=self.global_batch_size, negatives_explanation=self.negatives_explanation,
+            false_negative_note=self.false_negative_note,
             accumulation_note=self.accumulation_note, final_metrics=self.final_metrics(), curves_file=curves_file,
             load_name=self.repo_id,
         )

@@ -24,7 +24,13 @@ class ContrastiveOutput(ModelOutput):
         queue_keys: MoCo only: L2-normalised keys to enqueue after the loss, ``(B, D)``. (Not
             ``keys``: a ``ModelOutput`` is a dict, and a field named ``keys`` would shadow
             ``dict.keys``, which DDP's output handling calls.)
-        num_negatives: negatives per anchor actually used by this forward.
+        num_negatives: negatives per anchor actually used by this forward: an int when nothing is
+            masked, else a 0-d tensor, the mean per anchor after masking (same-instance keys, FNC).
+        negative_counts: ``(A,)`` non-positive candidates left in each row (``None``: all but the
+            positive and, SimCLR, the anchor itself); with ``false_negatives="attract"`` they include
+            the attracted candidates.
+        queue_instance_ids: MoCo only: instance ids ``(B,)`` of ``queue_keys`` (``None``: unknown).
+        false_negatives_removed: ``(A,)`` candidates FNC took per anchor (``None`` when off).
     """
 
     loss: torch.Tensor | None = None
@@ -32,7 +38,10 @@ class ContrastiveOutput(ModelOutput):
     labels: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
     queue_keys: torch.Tensor | None = None
-    num_negatives: int | None = None
+    num_negatives: int | torch.Tensor | None = None
+    negative_counts: torch.Tensor | None = None
+    queue_instance_ids: torch.Tensor | None = None
+    false_negatives_removed: torch.Tensor | None = None
 
 
 class ContrastivePreTrainedModel(PreTrainedModel):

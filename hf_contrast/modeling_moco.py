@@ -11,9 +11,11 @@ from transformers.utils import logging
 from . import distributed
 from .backbone import build_encoder_and_head
 from .configuration import MoCoConfig
-from .losses import info_nce_logits
+from .false_negatives import cancel_negatives, same_instance_mask, support_scores
+from .losses import contrastive_loss, info_nce_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
-from .momentum import ema_update_, enqueue_
+from .momentum import ema_update_
+from .queue import NegativeQueue, upgrade_legacy_queue_state
 from .split_batch_norm import convert_split_batch_norm, split_batch_norm
 
 logger = logging.get_logger(__name__)
@@ -28,9 +30,9 @@ class MoCoModel(ContrastivePreTrainedModel):
         key_encoder, key_projector: deep copies, ``requires_grad=False``, updated only by
             :meth:`momentum_update`. They run in the same train/eval mode as the query side and
             keep their own BatchNorm running statistics.
-        queue: buffer ``(queue_size, projection_dim)`` of L2-normalised keys.
-        queue_ptr: 0-d long buffer, the slot the next key is written to (the oldest key).
-        queue_filled: 0-d long buffer, how many slots hold real keys (``<= queue_size``).
+        queue: the :class:`~hf_contrast.queue.NegativeQueue` (keys ``(queue_size, projection_dim)``,
+            their instance ids and entry steps, pointer, fill count), all buffers.
+        queue_ptr, queue_filled: the queue's pointer and fill count as host ints.
 
     Only the filled part of the queue is used as negatives, so ``num_negatives`` is the true count
     and the random vectors the official code starts from never act as negatives (on small data they
@@ -49,19 +51,37 @@ class MoCoModel(ContrastivePreTrainedModel):
             convert_split_batch_norm(self.key_encoder)
             convert_split_batch_norm(self.key_projector)
         self._freeze_key_side()
-        queue = F.normalize(torch.randn(config.queue_size, config.projection_dim), dim=1)
-        self.register_buffer("queue", queue)
-        self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
-        self.register_buffer("queue_filled", torch.zeros((), dtype=torch.long))
+        self.queue = NegativeQueue(config.queue_size, config.projection_dim)
+        self.register_load_state_dict_pre_hook(
+            lambda module, state_dict, prefix, *args: upgrade_legacy_queue_state(state_dict, prefix, module.queue))
         self.post_init()
+
+    @property
+    def queue_ptr(self) -> int:
+        """The slot the next key is written to (host int; see :class:`~hf_contrast.queue.NegativeQueue`)."""
+        return self.queue.pointer
+
+    @property
+    def queue_filled(self) -> int:
+        """How many queue slots hold real keys (host int)."""
+        return self.queue.num_filled
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """``PreTrainedModel.from_pretrained``; the loader materialises fresh parameters, so the key side
         is frozen again afterwards."""
-        loaded = super().from_pretrained(*args, **kwargs)
-        (loaded[0] if isinstance(loaded, tuple) else loaded)._freeze_key_side()
-        return loaded
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing = [k for k in info.get("missing_keys", ()) if k.startswith("queue.")]
+        if missing:
+            raise ValueError(
+                f"The checkpoint lacks the queue state {sorted(missing)} (written before the queue kept instance ids, "
+                "as loose 'queue', 'queue_ptr', 'queue_filled' tensors?). Load its state dict with "
+                "model.load_state_dict(safetensors.torch.load_file(...)), which upgrades that layout, or retrain."
+            )
+        model._freeze_key_side()
+        model.queue.sync_from_buffers()
+        return (model, info) if want_info else model
 
     def _freeze_key_side(self) -> None:
         for p in self.key_parameters():
@@ -80,17 +100,25 @@ class MoCoModel(ContrastivePreTrainedModel):
         ema_update_(self.key_parameters(), self.query_parameters(), momentum)
 
     @torch.no_grad()
-    def enqueue(self, keys: torch.Tensor) -> None:
-        """Write keys ``(B, D)`` into the queue, FIFO with wrap-around. Keys must be the same on every
-        process (gather them first, see :func:`hf_contrast.distributed.gather_no_grad`)."""
-        if keys.ndim != 2 or keys.shape[1] != self.queue.shape[1]:
-            raise ValueError(f"keys must have shape (B, {self.queue.shape[1]}), got {tuple(keys.shape)}")
-        finite = torch.isfinite(keys).all(dim=1)  # (B,)
-        if not bool(finite.all()):  # never let NaN/inf into the queue: it would poison every later loss
-            logger.warning(f"Dropping {int((~finite).sum())} of {keys.shape[0]} keys that are NaN or inf")
-            keys = keys[finite]
-        enqueue_(self.queue, self.queue_ptr, F.normalize(keys.float(), dim=1))
-        self.queue_filled.clamp_(min=0).add_(keys.shape[0]).clamp_(max=self.queue.shape[0])
+    def enqueue(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,
+                check_finite: bool = True) -> None:
+        """Write keys ``(B, D)`` and their instance ids ``(B,)`` into the queue, FIFO with wrap-around.
+        Keys and ids must be the same on every process (gather them first, see
+        :func:`hf_contrast.distributed.gather_no_grad`); ``step`` is recorded as their entry step.
+
+        ``check_finite`` drops NaN/inf keys, which would poison every later loss. It is the one
+        host-device sync left here (a data-dependent shape); the trainer passes False, because it has
+        already checked that the loss, which every key enters through its positive logit, is finite.
+        """
+        if keys.ndim != 2 or keys.shape[1] != self.queue.keys.shape[1]:
+            raise ValueError(f"keys must have shape (B, {self.queue.keys.shape[1]}), got {tuple(keys.shape)}")
+        if check_finite:
+            finite = torch.isfinite(keys).all(dim=1)  # (B,)
+            if not bool(finite.all()):
+                logger.warning(f"Dropping {int((~finite).sum())} of {keys.shape[0]} keys that are NaN or inf")
+                keys = keys[finite]
+                instance_ids = None if instance_ids is None else instance_ids.reshape(-1)[finite]
+        self.queue.push(F.normalize(keys.float(), dim=1), instance_ids, step)
 
     def negatives(self) -> torch.Tensor:
         """The filled part of the queue ``(K_filled, D)``, detached.
@@ -98,7 +126,7 @@ class MoCoModel(ContrastivePreTrainedModel):
         No copy is needed: the loss L2-normalises it into a new tensor, which is what autograd saves,
         so enqueuing in place after the loss cannot modify a tensor saved for backward (a copy would
         cost 32 MiB per step at K=65536)."""
-        return self.queue[: int(self.queue_filled)].detach()
+        return self.queue.negatives()
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         return self.projector(self.encoder(x))  # (B, D)
@@ -128,6 +156,7 @@ class MoCoModel(ContrastivePreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         pixel_values_2: torch.Tensor | None = None,
+        instance_ids: torch.Tensor | None = None,
         return_loss: bool = True,
         **kwargs,
     ) -> ContrastiveOutput:
@@ -136,28 +165,59 @@ class MoCoModel(ContrastivePreTrainedModel):
         Args:
             pixel_values: first views ``(B, C, H, W)``.
             pixel_values_2: second views ``(B, C, H, W)``; required for the loss.
-            return_loss: compute the InfoNCE loss.
+            instance_ids: ``(B,)`` long, the dataset index of each image; with
+                ``exclude_same_instance`` the queued keys of a query's own image are masked, and the
+                ids go into the queue with the keys. ``None``: unknown (nothing masked).
+            return_loss: compute the loss.
 
         Returns:
-            :class:`ContrastiveOutput`; ``keys`` holds this batch's keys for :meth:`enqueue`
-            (both views' keys with ``symmetric_loss``).
+            :class:`ContrastiveOutput`; ``queue_keys`` / ``queue_instance_ids`` hold this batch's keys
+            and ids for :meth:`enqueue` (both views' with ``symmetric_loss``). Both halves of the
+            symmetric loss use the same pre-step queue.
         """
         if pixel_values_2 is None:
             raise ValueError("MoCoModel.forward needs two views: pass pixel_values and pixel_values_2")
-        negatives = self.negatives()  # (K, D)
-        t = self.config.temperature
+        negatives, negative_ids = self.queue.negatives(), self.queue.negative_ids()  # (K, D), (K,)
         q1 = self._query(pixel_values)  # (B, D)
         k2 = self.encode_keys(pixel_values_2)  # (B, D)
-        logits, labels = info_nce_logits(q1, k2, negatives, t)  # (B, 1 + K), (B,)
-        embeddings, keys = q1, k2
+        halves = [self._contrast(q1, k2, negatives, negative_ids, instance_ids)]
+        embeddings, keys, ids = q1, k2, instance_ids
         if self.config.symmetric_loss:
             q2 = self._query(pixel_values_2)
             k1 = self.encode_keys(pixel_values)
-            logits_2, labels_2 = info_nce_logits(q2, k1, negatives, t)
-            logits, labels = torch.cat([logits, logits_2]), torch.cat([labels, labels_2])  # (2B, 1 + K)
-            embeddings, keys = torch.cat([q1, q2]), torch.cat([k2, k1])
-        loss = F.cross_entropy(logits, labels) if return_loss else None
+            halves.append(self._contrast(q2, k1, negatives, negative_ids, instance_ids))
+            embeddings, keys = torch.cat([q1, q2]), torch.cat([k2, k1])  # (2B, D)
+            ids = None if instance_ids is None else torch.cat([instance_ids, instance_ids])
+        logits, labels, positive_mask, counts, kept, removed = (
+            None if any(h[i] is None for h in halves) else torch.cat([h[i] for h in halves]) for i in range(6))
+        loss = None
+        if return_loss:
+            loss = contrastive_loss(logits, labels, self.config.temperature, self.config.tau_plus, positive_mask)
+        masked = counts is not None
         return ContrastiveOutput(
             loss=loss, logits=logits, labels=labels, embeddings=embeddings, queue_keys=keys,
-            num_negatives=negatives.shape[0],
+            num_negatives=counts.float().mean() if masked else negatives.shape[0],
+            negative_counts=kept,
+            queue_instance_ids=ids, false_negatives_removed=removed,
         )
+
+    def _contrast(self, q, k, negatives, negative_ids, instance_ids):
+        """Logits of one query/key pairing against the queue, with the masks of the config.
+
+        Returns ``(logits (B, 1 + K), labels (B,), positive_mask, negatives (B,), kept (B,), removed (B,))``
+        (see :func:`~hf_contrast.false_negatives.cancel_negatives`); all but the first two are None
+        when nothing can be masked."""
+        logits, labels = info_nce_logits(q, k, negatives, self.config.temperature)  # (B, 1 + K), (B,)
+        exclude = self.config.exclude_same_instance and instance_ids is not None
+        if not exclude and self.config.false_negatives is None:
+            return logits, labels, None, None, None, None
+        excluded = torch.zeros_like(logits, dtype=torch.bool)  # (B, 1 + K)
+        excluded[:, 0] = True  # the positive
+        if exclude:
+            excluded[:, 1:] = same_instance_mask(instance_ids.to(negative_ids.device), negative_ids)  # (B, K)
+        scores = None
+        if self.config.false_negatives is not None:
+            scores = support_scores(torch.stack([q, k], dim=1), negatives)  # (B, K): support = the two views
+            scores = F.pad(scores, (1, 0), value=float("-inf"))  # (B, 1 + K), the positive is no candidate
+        logits, *masks = cancel_negatives(logits, labels, excluded, scores, self.config)
+        return (logits, labels, *masks)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from timm.layers import convert_sync_batchnorm
 
 from . import distributed
 from .backbone import build_encoder_and_head
 from .configuration import SimCLRConfig
-from .losses import nt_xent_logits
+from .false_negatives import cancel_negatives, support_scores
+from .losses import contrastive_loss, nt_xent_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 
 
@@ -59,7 +59,24 @@ class SimCLRModel(ContrastivePreTrainedModel):
                 rank=distributed.rank(),
             )
         logits, labels = nt_xent_logits(z_a, z_b, self.config.temperature, **kwargs)  # (2N, 2M), (2N,)
-        loss = F.cross_entropy(logits, labels) if return_loss else None
+        positive_mask = counts = kept = removed = None
+        if self.config.false_negatives is not None:
+            candidates = torch.cat([kwargs.get("z_a_all", z_a), kwargs.get("z_b_all", z_b)])  # (2M, D) the columns
+            logits, positive_mask, counts, kept, removed = self._cancel(logits, labels, z_a, z_b, candidates)
+        loss = None
+        if return_loss:
+            loss = contrastive_loss(logits, labels, self.config.temperature, self.config.tau_plus, positive_mask)
         return ContrastiveOutput(
-            loss=loss, logits=logits, labels=labels, embeddings=z, num_negatives=logits.shape[1] - 2
+            loss=loss, logits=logits, labels=labels, embeddings=z,
+            num_negatives=logits.shape[1] - 2 if counts is None else counts.float().mean(),
+            negative_counts=kept, false_negatives_removed=removed,
         )
+
+    def _cancel(self, logits, labels, z_a, z_b, candidates):
+        """False-negative cancellation over the in-batch candidates; the support set of an anchor is
+        its image's two views (see :mod:`hf_contrast.false_negatives`)."""
+        excluded = torch.isneginf(logits)  # (2N, 2M) the anchor itself
+        excluded[torch.arange(logits.shape[0], device=logits.device), labels] = True  # and its positive
+        support = torch.stack([z_a, z_b], dim=1)  # (N, 2, D)
+        scores = support_scores(torch.cat([support, support]), candidates)  # (2N, 2M)
+        return cancel_negatives(logits, labels, excluded, scores, self.config)

@@ -5,6 +5,8 @@ the trainer, so their values land in ``trainer.state.log_history`` and every rep
 * :class:`QueueConsistencyMonitor` (MoCo): how well the queued keys agree with today's key encoder,
   by age, and the key encoder's drift from the query encoder.
 * :class:`RepresentationMonitor`: alignment, uniformity and spread of held-out embeddings.
+* :class:`FalseNegativeMonitor` (MoCo, with labels): the share of queued keys of the query's class,
+  and how many of them false-negative cancellation takes.
 
 Use::
 
@@ -32,6 +34,7 @@ from . import distributed
 from .backbone import embedding_std
 from .diagnostics import alignment, key_consistency, parameter_drift, uniformity
 from .evaluation import extract_features, knn_top1
+from .false_negatives import support_scores, top_k_false_negatives
 
 
 def _check_positive_int(value, field: str) -> None:
@@ -343,3 +346,68 @@ def reencode_keys(model, images: torch.Tensor, groups: int = 1) -> torch.Tensor:
     finally:
         for b, s in zip(buffers, saved, strict=True):
             b.copy_(s)
+
+
+class FalseNegativeMonitor(TrainingMonitor):
+    """MoCo: the measured false negatives of the queue, from labels, and what cancellation takes.
+
+    Held-out labelled queries (images that are not in the queue) meet the filled queue, whose keys'
+    classes come from their instance ids. Logged:
+
+    * ``queue_same_class``: mean share of the (id-known) queued keys of the query's class: about
+      1/C on a balanced corpus, whatever the model (the false-negative rate of the pool);
+    * ``fnc_same_class_taken``: same-class keys per query among the candidates false-negative
+      cancellation takes (the config's ``false_negative_top_k`` and threshold; with cancellation off,
+      what it would take), scored as in training with the query's two embeddings as support;
+    * ``fnc_taken``: candidates taken per query; ``fnc_precision``: the same-class share of them.
+
+    Args:
+        labels: the class of every training item, indexed by instance id (the dataset index), e.g.
+            ``digits["train"]["label"]``.
+        dataset: labelled held-out items ``{"pixel_values", "labels"}`` (:func:`~hf_contrast.data.eval_dataset`).
+        every_n_steps: optimizer steps between measurements.
+        num_samples: queries (the first items of ``dataset``).
+    """
+
+    def __init__(self, labels, dataset, every_n_steps: int = 100, num_samples: int = 256):
+        super().__init__(every_n_steps)
+        _check_positive_int(num_samples, "num_samples")
+        self.labels = torch.as_tensor(list(labels), dtype=torch.long)
+        self.dataset, self.num_samples = dataset, num_samples
+        self._queries: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _draw(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._queries is None:
+            items = [self.dataset[i] for i in range(min(self.num_samples, len(self.dataset)))]
+            x = torch.stack([torch.as_tensor(it["pixel_values"]) for it in items])  # (S, C, H, W)
+            self._queries = x, torch.as_tensor([int(it["labels"]) for it in items])
+        return self._queries
+
+    def measure(self, model, state) -> dict[str, float] | None:
+        if not hasattr(model, "queue"):
+            return None
+        ids = model.queue.negative_ids().cpu()  # (K,)
+        known = ids >= 0
+        if not bool(known.any()):
+            return None
+        keys = model.queue.negatives()[known.to(model.queue.keys.device)]  # (K', D)
+        key_labels = self.labels[ids[known]].to(keys.device)  # (K',)
+        x, y = self._draw()
+        device, was_training = _device_of(model), model.training
+        try:
+            model.eval()
+            with _preserved_rng(device), torch.no_grad():
+                x = x.to(device)
+                q = model.projector(model.encoder(x))  # (S, D)
+                k = model.key_projector(model.key_encoder(x))  # (S, D)
+        finally:
+            model.train(was_training)
+        cfg = model.config
+        same = y.to(device)[:, None] == key_labels[None, :]  # (S, K')
+        taken = top_k_false_negatives(support_scores(torch.stack([q, k], dim=1), keys), None,
+                                      cfg.false_negative_top_k, cfg.false_negative_threshold)  # (S, K')
+        n_taken = taken.sum(1).float().mean()
+        n_same = (taken & same).sum(1).float().mean()
+        return {"queue_same_class": round(float(same.float().mean()), 4),
+                "fnc_same_class_taken": round(float(n_same), 3), "fnc_taken": round(float(n_taken), 3),
+                "fnc_precision": round(float(n_same / n_taken.clamp(min=1e-9)), 4)}

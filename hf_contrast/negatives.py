@@ -13,10 +13,19 @@ def negatives_per_anchor(config, per_device_batch_size: int | None, world_size: 
     processes are gathered (``config.gather_distributed``), else ``2 * N - 2``, for a per-device
     batch of ``N`` images. Gradient accumulation does not enter: the loss is computed inside each
     micro-batch. ``None`` when the count depends on a batch size that is unknown.
+
+    False-negative cancellation (``config.false_negatives``) takes ``false_negative_top_k`` of them
+    per anchor (at most; fewer when a ``false_negative_threshold`` is set). MoCo's same-instance
+    masking removes a data-dependent number more: the trainer logs the measured mean per anchor as
+    ``num_negatives``, and the model card shows it next to this count.
     """
     if config.model_type in MOCO_TYPES:
-        return config.queue_size
-    if per_device_batch_size is None:
+        nominal = config.queue_size
+    elif per_device_batch_size is None:
         return None
-    world = world_size if getattr(config, "gather_distributed", True) else 1
-    return 2 * per_device_batch_size * world - 2
+    else:
+        world = world_size if getattr(config, "gather_distributed", True) else 1
+        nominal = 2 * per_device_batch_size * world - 2
+    if getattr(config, "false_negatives", None) is not None:
+        nominal = max(nominal - config.false_negative_top_k, 0)
+    return nominal

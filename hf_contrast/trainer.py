@@ -8,6 +8,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import datasets
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -26,6 +27,7 @@ from .checkpointing import (
     save_rank_buffers,
     save_stream_state,
 )
+from .corpus import false_negative_estimate
 from .device_augment import DeviceAugmentation
 from .grad_cache import grad_cache_step
 from .hub import push_encoder_to_hub
@@ -298,6 +300,28 @@ class ContrastiveTrainer(Trainer):
             + (" (queue; fills during the first steps)" if self.is_moco else "")
             + " (accumulation adds none)"
         )
+        self._warn_narrow_corpus()
+
+    def _warn_narrow_corpus(self) -> None:
+        """Warn when the negative pool is a large fraction (>= 10%) of the training set: it then holds
+        earlier keys of the anchor's own image (MoCo) and many of its class (see :mod:`hf_contrast.corpus`)."""
+        dataset = self.train_dataset
+        if not hasattr(dataset, "__len__") or not len(dataset):
+            return
+        pool = self.negatives_per_anchor()
+        cfg = self.accelerator.unwrap_model(self.model).config
+        if self.is_moco:
+            pool = cfg.queue_size  # the pool before any masking
+        features = getattr(getattr(dataset, "dataset", dataset), "features", None) or {}
+        classes = next((f.num_classes for f in features.values() if isinstance(f, datasets.ClassLabel)), None)
+        estimate = false_negative_estimate(pool, len(dataset), classes, queued=self.is_moco)
+        if estimate.fraction < 0.1:
+            return
+        remedy = ("exclude_same_instance=True masks the own-image keys (it needs items with 'instance_id', as "
+                  "TwoViewDataset gives); " if self.is_moco else "")
+        logger.warning(f"Narrow corpus: {estimate.describe()}. Every extra negative is another chance of a false "
+                       f"negative: {remedy}false_negatives='eliminate' cancels likely same-class ones; a smaller pool "
+                       "may train better.")
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
         """Push the query encoder (timm format) with its model card, not the full checkpoint, to
@@ -315,6 +339,8 @@ class ContrastiveTrainer(Trainer):
         unwrapped = self.accelerator.unwrap_model(model or self.model)
         check_checkpoint(resume_from_checkpoint, unwrapped)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if isinstance(unwrapped, MoCoModel):
+            unwrapped.queue.sync_from_buffers()  # the host-side pointer and fill count (one sync, at load)
         rank = self.args.process_index
         if isinstance(self.train_dataset, StreamingTwoViewDataset):
             state = load_stream_state(resume_from_checkpoint, rank)
@@ -403,13 +429,19 @@ class ContrastiveTrainer(Trainer):
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(pixel_values=inputs["pixel_values"], pixel_values_2=inputs["pixel_values_2"])
+        ids = inputs.get("instance_id") if self.is_moco else None  # TwoViewDataset items carry it
+        outputs = model(pixel_values=inputs["pixel_values"], pixel_values_2=inputs["pixel_values_2"],
+                        **({} if ids is None else {"instance_ids": ids}))
         if model.training:
             self._check_finite(outputs.loss)
         if model.training:
             unwrapped = self.accelerator.unwrap_model(model)
             if outputs.queue_keys is not None:
-                unwrapped.enqueue(distributed.gather_no_grad(outputs.queue_keys))  # after the loss used the queue
+                ids = outputs.queue_instance_ids
+                unwrapped.enqueue(  # after the loss used the queue; finite: the loss check above covers every key
+                    distributed.gather_no_grad(outputs.queue_keys),
+                    None if ids is None else distributed.gather_no_grad(ids), step=self.state.global_step,
+                    check_finite=False)
                 self._notify_enqueue(unwrapped, inputs, outputs)
             self.contrastive_metrics.update(outputs)
         return (outputs.loss, outputs) if return_outputs else outputs.loss

@@ -20,7 +20,7 @@ def test_two_views_are_different_random_crops(digits):
     aug = TwoViewAugmentation.small_images(32)
     ds = two_view_dataset(digits["train"], aug)
     item = ds[0]
-    assert set(item) == {"pixel_values", "pixel_values_2"}
+    assert set(item) == {"pixel_values", "pixel_values_2", "instance_id"} and int(item["instance_id"]) == 0
     assert item["pixel_values"].shape == (3, 32, 32)
     assert not torch.equal(item["pixel_values"], item["pixel_values_2"])
     assert torch.equal(ds[0]["pixel_values"], ds[0]["pixel_values"])  # reproducible within an epoch

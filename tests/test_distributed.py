@@ -79,6 +79,7 @@ def test_trainer_under_torchrun_keeps_ranks_identical(tmp_path):
     for key in r0:
         assert torch.equal(r0[key], r1[key]), key  # queue, pointer, key and query encoders: bitwise
     assert int(r0["queue_filled"]) == 20 and int(r0["queue_ptr"]) == (6 * 4 * 2) % 20  # gathered keys: 8 per step
+    assert len(set(r0["queue_ids"].tolist())) == 20 and int(r0["queue_ids"].min()) >= 0  # ids of both ranks' images
     assert any(not torch.equal(r0[f"key.{i}"], r0[f"query.{i}"]) for i in range(3))  # the EMA lags
     for method, negatives in (("moco", 20), ("simclr", 2 * 4 * 2 - 2)):
         info = [json.loads((tmp_path / f"{method}_rank{r}.json").read_text()) for r in (0, 1)]

@@ -46,7 +46,7 @@ def test_nan_loss_stops_training_naming_the_step(tmp_path):
     trainer.get_train_dataloader = lambda: torch.utils.data.DataLoader(data, batch_size=8)  # fixed order
     with pytest.raises(NonFiniteLossError, match=r"Step 1: the contrastive loss is nan.*learning rate"):
         trainer.train()
-    assert torch.isfinite(model.queue).all()
+    assert torch.isfinite(model.queue.keys).all()
     assert int(model.queue_filled) == 8  # only the first (finite) batch was enqueued
 
 
@@ -57,8 +57,8 @@ def test_non_finite_keys_are_never_enqueued(caplog):
     keys[2, 0] = float("nan")
     with caplog.at_level(logging.WARNING):
         model.enqueue(keys)
-    assert int(model.queue_filled) == 2 and torch.isfinite(model.queue).all()
-    torch.testing.assert_close(model.queue[:2], keys[[0, 3]])
+    assert int(model.queue_filled) == 2 and torch.isfinite(model.queue.keys).all()
+    torch.testing.assert_close(model.queue.keys[:2], keys[[0, 3]])
     assert "Dropping 2 of 4 keys" in caplog.text
 
 

@@ -19,8 +19,8 @@ def views(n=4, seed=0):
 
 def test_moco_attributes_and_key_side_frozen():
     m = moco()
-    assert m.queue.shape == (10, 16) and m.queue_ptr.dtype == torch.long
-    torch.testing.assert_close(m.queue.norm(dim=1), torch.ones(10))
+    assert m.queue.keys.shape == (10, 16) and m.queue.ptr.dtype == torch.long and m.queue_ptr == 0
+    torch.testing.assert_close(m.queue.keys.norm(dim=1), torch.ones(10))
     assert all(not p.requires_grad for p in m.key_parameters())
     assert all(p.requires_grad for p in m.query_parameters())
     for a, b in zip(m.key_parameters(), m.query_parameters(), strict=False):
@@ -31,16 +31,16 @@ def test_moco_forward_matches_paper_pseudocode_and_does_not_touch_queue():
     m = moco(key_bn_splits=1)  # one key batch: the same BatchNorm statistics as the reference
     m.enqueue(F.normalize(torch.randn(6, 16), dim=1))
     x1, x2 = views()
-    queue_before = m.queue.clone()
+    queue_before = m.queue.keys.clone()
     out = m(x1, x2)
-    assert torch.equal(m.queue, queue_before) and int(m.queue_ptr) == 6  # forward never mutates the queue
+    assert torch.equal(m.queue.keys, queue_before) and int(m.queue_ptr) == 6  # forward never mutates the queue
     assert out.num_negatives == 6 and out.logits.shape == (4, 7) and out.queue_keys.shape == (4, 16)
     # MoCo Algorithm 1 on the same weights (BN in train mode on both sides)
     q = F.normalize(m.projector(m.encoder(x1)), dim=1)
     with torch.no_grad():
         k = F.normalize(m.key_projector(m.key_encoder(x2)), dim=1)
     l_pos = (q * k).sum(1, keepdim=True)
-    l_neg = q @ m.queue[:6].T
+    l_neg = q @ m.queue.keys[:6].T
     ref = F.cross_entropy(torch.cat([l_pos, l_neg], 1) / 0.2, torch.zeros(4, dtype=torch.long))
     assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
     out.loss.backward()
@@ -53,13 +53,13 @@ def test_moco_enqueue_after_loss_is_safe_without_a_copy_and_fifo():
     x1, x2 = views(3)
     m.enqueue(F.normalize(torch.randn(5, 16), dim=1))
     # the hazard: a loss over the live queue cannot back-propagate once the queue is written in place
-    hazard = (m.projector(m.encoder(x1)) @ m.queue.T).sum()
+    hazard = (m.projector(m.encoder(x1)) @ m.queue.keys.T).sum()
     m.enqueue(F.normalize(torch.randn(2, 16), dim=1))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         hazard.backward()
     # the model's negatives are the live queue, not a 32 MiB copy, and yet safe: the loss normalises
     # them into a new tensor, which is what autograd saves
-    assert m.negatives().data_ptr() == m.queue.data_ptr()
+    assert m.negatives().data_ptr() == m.queue.keys.data_ptr()
     for _step in range(3):
         out = m(x1, x2)
         m.enqueue(out.queue_keys)  # in place write after the loss used the queue
@@ -72,7 +72,7 @@ def test_moco_symmetric_loss_uses_both_views():
     keys to enqueue are [k2; k1]; the forward enqueues nothing (lightly #564 is this bug in a peer)."""
     m = moco(symmetric_loss=True, key_bn_splits=1)  # deterministic keys: one BN batch per view
     m.enqueue(F.normalize(torch.randn(7, 16), dim=1))
-    negatives = m.queue[:7].clone()
+    negatives = m.queue.keys[:7].clone()
     x1, x2 = views()
     out = m(x1, x2)
     with torch.no_grad():
@@ -89,7 +89,7 @@ def test_moco_symmetric_loss_uses_both_views():
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-5)
     assert out.loss.item() != pytest.approx(info_nce(q1, k2).mean().item(), rel=1e-3)  # not one half only
     torch.testing.assert_close(out.queue_keys, torch.cat([k2, k1]), rtol=1e-5, atol=1e-5)
-    assert int(m.queue_filled) == 7 and torch.equal(m.queue[:7], negatives)
+    assert int(m.queue_filled) == 7 and torch.equal(m.queue.keys[:7], negatives)
 
 
 def test_momentum_update_on_model_is_exact_and_skips_buffers():
@@ -125,7 +125,7 @@ def test_save_load_round_trip_every_tensor(tmp_path):
         assert isinstance(loaded, MoCoModel)
         sd, sd2 = m.state_dict(), loaded.state_dict()
         assert set(sd) == set(sd2)
-        assert {"queue", "queue_ptr", "queue_filled"} <= set(sd)
+        assert {"queue.keys", "queue.instance_ids", "queue.entry_steps", "queue.ptr", "queue.filled"} <= set(sd)
         assert any(k.startswith("key_encoder.") for k in sd)
         for key in sd:
             assert torch.equal(sd[key], sd2[key]), key

@@ -46,5 +46,5 @@ def test_resume_in_epoch_2_is_exact_under_torchrun(tmp_path):
         assert_bitwise_equal(tmp_path, rank)
     a, b = load_file(tmp_path / "full_rank0.safetensors"), load_file(tmp_path / "full_rank1.safetensors")
     shared = [k for k in a if "running_" not in k and "num_batches" not in k]  # weights, queue: equal on all ranks
-    assert "queue" in shared and all(torch.equal(a[k], b[k]) for k in shared)
+    assert "queue" in shared and "queue_ids" in shared and all(torch.equal(a[k], b[k]) for k in shared)
     assert any(not torch.equal(a[k], b[k]) for k in a if "running_mean" in k)  # each rank's own BN statistics

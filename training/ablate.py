@@ -35,6 +35,7 @@ import hf_contrast
 from hf_contrast import (
     ContrastiveTrainer,
     ContrastiveTrainingArguments,
+    FalseNegativeMonitor,
     KNNMonitor,
     MoCoConfig,
     MoCoModel,
@@ -74,10 +75,26 @@ class AblationArguments:
     seed: int = field(default=0, metadata={"help": "Seed of every run."})
     threads: int = field(default=1, metadata={"help": "torch threads (1 is fastest on loaded cores)."})
     output_dir: str = field(default="results/ablation", metadata={"help": "Where the results go."})
+    exclude_same_instance: bool = field(default=False, metadata={
+        "help": "Mask queued keys of the anchor's own image (off: as the committed sweep ran, before ids existed)."})
+    false_negatives: str | None = field(default=None, metadata={
+        "help": "False-negative cancellation: eliminate or attract (default: off)."})
+    false_negative_top_k: int = field(default=10, metadata={"help": "Candidates cancellation takes per anchor."})
 
 
-def run_name(momentum: float, queue_size: int) -> str:
-    return f"m{momentum:g}_q{queue_size}"
+def run_name(momentum: float, queue_size: int, a: AblationArguments | None = None) -> str:
+    suffix = "" if a is None else "".join(f"_{k}" for k in false_negative_settings(a).values() if isinstance(k, str))
+    return f"m{momentum:g}_q{queue_size}{suffix}"
+
+
+def false_negative_settings(a: AblationArguments) -> dict:
+    """The false-negative options that differ from the committed sweep (none: its JSON files are reused)."""
+    out = {}
+    if a.exclude_same_instance:
+        out["exclude_same_instance"] = "exclude"
+    if a.false_negatives:
+        out.update(false_negatives=a.false_negatives, false_negative_top_k=a.false_negative_top_k)
+    return out
 
 
 def build_model(a: AblationArguments, momentum: float, queue_size: int) -> MoCoModel:
@@ -86,13 +103,16 @@ def build_model(a: AblationArguments, momentum: float, queue_size: int) -> MoCoM
         projection_batch_norm=True, projection_output_batch_norm=True,  # without them MoCo collapses here
         temperature=a.temperature, image_size=32, queue_size=queue_size, momentum=momentum,
         momentum_schedule="constant", symmetric_loss=False, shuffle_bn=True, key_bn_splits=1,
+        exclude_same_instance=a.exclude_same_instance, false_negatives=a.false_negatives,
+        false_negative_top_k=a.false_negative_top_k,
     ))
 
 
 def settings(a: AblationArguments, momentum: float, queue_size: int) -> dict:
     keys = ("num_train_epochs", "batch_size", "backbone", "learning_rate", "temperature", "consistency_every",
             "knn_evaluations", "seed")
-    return {"momentum": momentum, "queue_size": queue_size, **{k: getattr(a, k) for k in keys}}
+    return {"momentum": momentum, "queue_size": queue_size, **{k: getattr(a, k) for k in keys},
+            **false_negative_settings(a)}
 
 
 def run_one(a: AblationArguments, momentum: float, queue_size: int, data: dict) -> dict:
@@ -113,6 +133,7 @@ def run_one(a: AblationArguments, momentum: float, queue_size: int, data: dict) 
         knn = KNNMonitor(data["bank"], data["held_out"], every, cache_inputs=True).attach(trainer)
         health = RepresentationMonitor(data["two_view_test"], every, num_samples=512).attach(trainer)
         queue = QueueConsistencyMonitor(every_n_steps=a.consistency_every).attach(trainer)
+        fn_monitor = FalseNegativeMonitor(data["train"]["label"], data["held_out"], every).attach(trainer)
         start = time.perf_counter()
         trainer.train()
         runtime = time.perf_counter() - start
@@ -121,10 +142,12 @@ def run_one(a: AblationArguments, momentum: float, queue_size: int, data: dict) 
     full = [h for h in queue.history if all(f"queue_consistency_age{age}" in h for age in queue.ages)]
     mean = lambda key, rows: sum(r[key] for r in rows) / len(rows) if rows else float("nan")  # noqa: E731
     steps = trainer.state.global_step
-    monitor_seconds = knn.seconds + health.seconds + queue.seconds
+    monitor_seconds = knn.seconds + health.seconds + queue.seconds + fn_monitor.seconds
     step_seconds = (runtime - monitor_seconds) / steps
     return {
-        "name": run_name(momentum, queue_size),
+        "name": run_name(momentum, queue_size, a),
+        "false_negatives": fn_monitor.history[-1] if fn_monitor.history else None,
+        "num_negatives": train_logs[-1].get("num_negatives") if train_logs else None,
         "settings": settings(a, momentum, queue_size),
         "steps": steps,
         "ages": queue.ages,
@@ -193,7 +216,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logger.info(f"kNN top-1: raw pixels {base['raw_pixels']:.4f}, random init {base['random_init']:.4f}")
     results = []
     for i, (momentum, queue_size) in enumerate(plan):
-        path = os.path.join(runs_dir, run_name(momentum, queue_size) + ".json")
+        path = os.path.join(runs_dir, run_name(momentum, queue_size, a) + ".json")
         if os.path.exists(path):
             with open(path) as f:
                 previous = json.load(f)
@@ -210,8 +233,42 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(path, "w") as f:
             json.dump(r, f, indent=1)
         results.append(r)
-    write_report(a, results, base, command, len(data["train"]))
+    if false_negative_settings(a):
+        write_false_negative_report(a.output_dir, command)
+    else:
+        write_report(a, results, base, command, len(data["train"]))
     return results
+
+
+def write_false_negative_report(output_dir: str, command: str) -> None:
+    """``README.md`` of a false-negative sweep: one row per run JSON in ``runs/``, commands appended."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(output_dir, "runs", "m*.json"))):
+        with open(path) as f:
+            r = json.load(f)
+        s, fn = r["settings"], r.get("false_negatives") or {}
+        variant = ", ".join(filter(None, [
+            "exclude same instance" if s.get("exclude_same_instance") else "no masking",
+            s.get("false_negatives") and f"{s['false_negatives']} top {s['false_negative_top_k']}"]))
+        rows.append(f"| {s['queue_size']} | {variant} | {s['seed']} | {_fmt(r['knn_top1'])} | "
+                    f"{r.get('num_negatives', 'n/a')} | {_fmt(fn.get('queue_same_class'))} | "
+                    f"{_fmt(fn.get('fnc_precision'))} | {_fmt(r['final_loss'])} | {r['runtime_s'] / 60:.1f} |")
+    commands_path = os.path.join(output_dir, "commands.txt")
+    with open(commands_path, "a") as f:
+        f.write(command + "\n")
+    with open(commands_path) as f:
+        commands = f.read().strip()
+    lines = ["# False negatives at a large queue on the embedded digits", "",
+             "Produced by (from the repository root), in order:", "", "```", commands, "```", "",
+             "Recipe as in `results/ablation` (MoCo, resnet18 at 32 px, momentum 0.99, 5 epochs = 155 steps, seed 0). "
+             "`num_negatives`: the mean per anchor after masking, last training log. Same class / FNC precision: "
+             "FalseNegativeMonitor on 256 held-out digits at the end (share of queued keys of the query's class; "
+             "same-class share of the top-10 candidates cancellation takes). A run without false-negative options "
+             "(the `no masking` row) is the committed `results/ablation` run, its JSON copied into `runs/`.", "",
+             "| queue size | variant | seed | kNN top-1 | num_negatives | queue same class | FNC precision "
+             "| final loss | minutes |", "|---|---|---|---|---|---|---|---|---|", *rows, ""]
+    with open(os.path.join(output_dir, "README.md"), "w") as f:
+        f.write("\n".join(lines))
 
 
 # ---------------------------------------------------------------------------------------------------

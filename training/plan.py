@@ -21,6 +21,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from hf_contrast.corpus import false_negative_estimate
 from hf_contrast.memory_probe import ActivationProbe, probe_activation_memory, training_state_bytes
 
 LOSS_COPIES = 4  # fp32 (2N, 2M) logits matrices the NT-Xent loss holds at its peak (measured: 3.5 to 4.3)
@@ -330,6 +331,8 @@ def main(argv: list[str] | None = None) -> str:
     )
     p.add_argument("--probe_image_size", type=int, default=None, help="probe smaller images, scale by pixels")
     p.add_argument("--probe_views", type=int, default=2, help="first probe batch (views)")
+    p.add_argument("--dataset_size", type=int, default=None, help="training images: adds the false-negative estimate")
+    p.add_argument("--num_classes", type=int, default=None, help="classes of the corpus, for the same-class estimate")
     a = p.parse_args(argv)
     for name in (
         "image_size",
@@ -372,8 +375,25 @@ def main(argv: list[str] | None = None) -> str:
         amp=a.amp,
         usable_fraction=a.usable_fraction,
     )
+    if a.dataset_size is not None:
+        if a.dataset_size < 1:
+            p.error(f"--dataset_size={a.dataset_size} is invalid: --dataset_size must be an integer >= 1")
+        text += "\n\n" + false_negative_lines(a.queue_size or a.target_negatives, a.target_negatives,
+                                              a.dataset_size, a.num_classes)
     print(text)
     return text
+
+
+def false_negative_lines(queue_size: int, simclr_pool: int, dataset_size: int, num_classes: int | None) -> str:
+    """The expected false negatives of the MoCo queue and the SimCLR pool on this corpus."""
+    moco = false_negative_estimate(queue_size, dataset_size, num_classes, queued=True)
+    simclr = false_negative_estimate(simclr_pool, dataset_size, num_classes, queued=False)
+    lines = ["False negatives (hf_contrast.corpus):", f"  MoCo queue: {moco.describe()}",
+             f"  SimCLR in-batch: {simclr.describe()}"]
+    if moco.fraction >= 0.1:
+        lines.append("  The queue is a large fraction of the corpus: keep exclude_same_instance=True and consider "
+                     "false_negatives='eliminate' or a smaller queue.")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,12 @@ class ModelArguments:
         default=1, metadata={"help": "MoCo on one process: key sub-batches for BatchNorm (4 scored 0.75 vs 0.82 here)."})
     symmetric_loss: bool = field(
         default=False, metadata={"help": "MoCo: both views as queries (1.8x the step time for +0.01 kNN here)."})
+    exclude_same_instance: bool = field(
+        default=True, metadata={"help": "MoCo: mask queued keys of the anchor's own image (needs instance ids)."})
+    false_negatives: str | None = field(
+        default=None, metadata={"help": "False-negative cancellation: eliminate or attract (default: off)."})
+    false_negative_top_k: int = field(default=10, metadata={"help": "Candidates cancellation takes per anchor."})
+    tau_plus: float = field(default=0.0, metadata={"help": "Debiased contrastive loss class prior (0: InfoNCE)."})
 
 
 @dataclass
@@ -200,10 +206,14 @@ def build_model(args: ModelArguments, image_size: int):
         projection_output_batch_norm=args.projection_output_batch_norm,
         temperature=args.temperature,
         image_size=image_size,
+        false_negatives=args.false_negatives,
+        false_negative_top_k=args.false_negative_top_k,
+        tau_plus=args.tau_plus,
     )
     if args.method == "moco":
         config = MoCoConfig(queue_size=args.queue_size, momentum=args.momentum, key_bn_splits=args.key_bn_splits,
-                            momentum_schedule=args.momentum_schedule, symmetric_loss=args.symmetric_loss, **common)
+                            momentum_schedule=args.momentum_schedule, symmetric_loss=args.symmetric_loss,
+                            exclude_same_instance=args.exclude_same_instance, **common)
         return MoCoModel(config)
     return SimCLRModel(SimCLRConfig(**common))
 

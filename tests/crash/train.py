@@ -59,7 +59,8 @@ def build_trainer(out_dir: str, kill_at: int | None = None) -> ContrastiveTraine
 
 def final_state(trainer: ContrastiveTrainer) -> dict[str, torch.Tensor]:
     model = trainer.model
-    state = {"queue": model.queue, "queue_ptr": model.queue_ptr, "queue_filled": model.queue_filled}
+    state = {"queue": model.queue.keys, "queue_ptr": model.queue.ptr, "queue_filled": model.queue.filled,
+             "queue_ids": model.queue.instance_ids}
     state.update({f"key_encoder.{k}": v for k, v in model.key_encoder.state_dict().items()})
     state.update({f"encoder.{k}": v for k, v in model.encoder.state_dict().items()})
     return {k: v.detach().clone().contiguous() for k, v in state.items()}

@@ -45,7 +45,7 @@ def step(model, x1, x2) -> dict[str, torch.Tensor]:
     result = {"loss": loss, "num_negatives": torch.tensor(out.num_negatives)}
     result.update({f"grad.{n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
     if hasattr(model, "queue"):
-        result.update(queue=model.queue.clone(), queue_ptr=model.queue_ptr.clone())
+        result.update(queue=model.queue.keys.clone(), queue_ptr=model.queue.ptr.clone())
     return result
 
 

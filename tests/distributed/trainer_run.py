@@ -27,8 +27,8 @@ TINY = dict(projection_hidden_dim=32, projection_dim=16, image_size=32)
 def dataset(n=64):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 3, 32, 32, generator=g)
-    return datasets.Dataset.from_dict({"pixel_values": x.numpy(), "pixel_values_2": (x + 0.1 * torch.randn_like(x)).numpy()}
-                                      ).with_format("torch")
+    return datasets.Dataset.from_dict({"pixel_values": x.numpy(), "pixel_values_2": (x + 0.1 * torch.randn_like(x)).numpy(),
+                                       "instance_id": list(range(n))}).with_format("torch")
 
 
 def run(method: str, out_dir: str) -> ContrastiveTrainer:
@@ -50,7 +50,8 @@ def run(method: str, out_dir: str) -> ContrastiveTrainer:
         json.dump({"logs": logs, "negatives_per_anchor": trainer.negatives_per_anchor(),
                    "world_size": trainer.args.world_size}, f)
     if method == "moco":
-        state = {"queue": model.queue, "queue_ptr": model.queue_ptr, "queue_filled": model.queue_filled}
+        state = {"queue": model.queue.keys, "queue_ptr": model.queue.ptr, "queue_filled": model.queue.filled,
+                 "queue_ids": model.queue.instance_ids}
         state.update({f"key.{i}": p.detach() for i, p in enumerate(model.key_parameters())})
         state.update({f"query.{i}": p.detach() for i, p in enumerate(model.query_parameters())})
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, f"moco_rank{rank}.safetensors"))

@@ -53,7 +53,7 @@ def build(out_dir: str, workers: int, save_steps: int, max_steps: int) -> Contra
 
 def state(trainer: ContrastiveTrainer) -> dict[str, torch.Tensor]:
     model = trainer.model
-    out = {"queue": model.queue, "queue_ptr": model.queue_ptr}
+    out = {"queue": model.queue.keys, "queue_ptr": model.queue.ptr, "queue_ids": model.queue.instance_ids}
     out.update({f"model.{k}": v for k, v in model.state_dict().items()})
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 

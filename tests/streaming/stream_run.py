@@ -68,7 +68,7 @@ def build(out_dir, shard_dir, workers, max_steps, save_steps, device_augmentatio
 
 
 def state(trainer):
-    out = {"queue": trainer.model.queue}
+    out = {"queue": trainer.model.queue.keys}
     out.update({f"model.{k}": v for k, v in trainer.model.state_dict().items()})
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 

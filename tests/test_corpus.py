@@ -1,0 +1,78 @@
+"""Know your corpus: the false-negative estimate against a simulation of reshuffled epochs, the
+warning at training start and the planner's line."""
+
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hf_contrast.corpus import false_negative_estimate
+
+spec = importlib.util.spec_from_file_location("training_plan_corpus", Path(__file__).parents[1] / "training" / "plan.py")
+plan = sys.modules["training_plan_corpus"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plan)
+
+
+def simulate(k, n, epochs=12, seed=0):
+    """A FIFO queue of the K newest keys over reshuffled epochs of N images: the share of anchors
+    whose own earlier key is queued, and the mean number of such keys, measured."""
+    rng = np.random.default_rng(seed)
+    stream = np.concatenate([rng.permutation(n) for _ in range(epochs)])
+    hits, counts = [], []
+    for t in range(3 * n + k, len(stream)):
+        window = stream[t - k:t]
+        c = int((window == stream[t]).sum())
+        hits.append(c > 0)
+        counts.append(c)
+    return float(np.mean(hits)), float(np.mean(counts))
+
+
+@pytest.mark.parametrize("k,n", [(100, 400), (300, 400), (600, 400), (1000, 400)])
+def test_own_key_probability_matches_a_simulation(k, n):
+    est = false_negative_estimate(k, n, num_classes=10)
+    prob, keys = simulate(k, n)
+    assert est.own_image_probability == pytest.approx(prob, abs=0.02)
+    assert est.own_image_keys == pytest.approx(keys, abs=0.03)
+    assert est.same_class == k / 10 and est.fraction == k / n
+    if k <= n:
+        assert est.own_image_probability == k * k / (2 * n * n)
+
+
+def test_in_batch_pool_never_holds_the_own_image_and_text_states_the_numbers():
+    assert false_negative_estimate(510, 1000, queued=False).own_image_probability == 0
+    text = false_negative_estimate(4096, 4000, 10).describe()
+    assert "102.4% of the 4,000 images" in text and "about 410 negatives (10%) share its class" in text
+
+
+def test_trainer_warns_on_a_narrow_corpus(digits, caplog, tmp_path):
+    import torch
+    from conftest import TINY
+
+    from hf_contrast import (
+        ContrastiveTrainer,
+        ContrastiveTrainingArguments,
+        MoCoConfig,
+        MoCoModel,
+        TwoViewAugmentation,
+        two_view_dataset,
+    )
+
+    torch.manual_seed(0)
+    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=2048, **TINY))
+    args = ContrastiveTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=0,
+                                        use_cpu=True, report_to="none", disable_tqdm=True)
+    trainer = ContrastiveTrainer(model=model, args=args,
+                                 train_dataset=two_view_dataset(digits["train"], TwoViewAugmentation.small_images(32)))
+    with caplog.at_level(logging.WARNING, logger="hf_contrast.trainer"):
+        trainer._warn_narrow_corpus()
+    text = caplog.text
+    assert "51.2% of the 4,000 images" in text and "probability 13.1%" in text and "about 205 negatives" in text
+
+
+def test_planner_adds_the_estimate():
+    text = plan.false_negative_lines(32768, 510, 50000, 10)
+    assert "65.5% of the 50,000 images" in text and "probability 21.5%" in text and "about 3,277" in text
+    assert "consider false_negatives='eliminate'" in text
