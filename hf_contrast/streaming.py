@@ -254,9 +254,8 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
                 out.update(images=images, view_seed=torch.tensor(seed))
             else:
                 generator = torch.Generator().manual_seed(seed)
-                x = images.float() / 255  # (B, 3, R, R)
-                out.update(pixel_values=self.augmentation._tensor_view(x, generator),
-                           pixel_values_2=self.augmentation._tensor_view(x, generator))
+                out.update(pixel_values=self.augmentation._tensor_view(images, generator),
+                           pixel_values_2=self.augmentation._tensor_view(images, generator))
             if self.return_keys:
                 out["__key__"] = [k for _, k in batch_samples]
             yield out
