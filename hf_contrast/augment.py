@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-_GRAY = (0.299, 0.587, 0.114)  # ITU-R 601-2 luma, as torchvision's rgb_to_grayscale
+_GRAY = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, torchvision's rgb_to_grayscale weights
 _RGB_TO_YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
 
 
@@ -113,7 +113,8 @@ def color_jitter(x: torch.Tensor, strength: float, p: float, generator=None) -> 
         cf = c[idx].view(view)
         y.mul_(cf).add_(mean * (1 - cf)).clamp_(0, 1)  # (y - mean) * c + mean
         sf = sat[idx].view(view)
-        y.mul_(sf).add_(grayscale(y).mul_(1 - sf)).clamp_(0, 1)  # (y - gray) * sat + gray
+        gray = grayscale(y).mul_(1 - sf)  # before y changes
+        y.mul_(sf).add_(gray).clamp_(0, 1)  # (y - gray) * sat + gray
         return torch.bmm(hue_matrix[idx], y.view(m, 3, h * w)).view(m, 3, h, w).clamp_(0, 1)
 
     return _apply(x, apply, jitter)
