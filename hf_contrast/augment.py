@@ -9,7 +9,8 @@ device, so a seed gives the same parameters on any device.
 
 Speed: the crop converts and resamples only the crop region (``uint8`` in, one antialiased
 ``interpolate`` per image), and each random op computes only the images it applies to (all
-parameters are still drawn for every image, so the draws do not depend on the outcomes).
+parameters are still drawn for every image, so the draws do not depend on the outcomes). The
+random ops return a new tensor, or write into ``x`` with ``inplace=True``.
 """
 
 from __future__ import annotations
@@ -79,15 +80,17 @@ def grayscale(x: torch.Tensor) -> torch.Tensor:
     return torch.matmul(weights, x.reshape(n, 3, h * w)).view(n, 1, h, w)  # (n, 1, HW)
 
 
-def _apply(x: torch.Tensor, apply: torch.Tensor, fn) -> torch.Tensor:
-    """``x`` with ``fn`` applied to the images where ``apply`` ``(n,)`` holds, computed on those only."""
+def _apply(x: torch.Tensor, apply: torch.Tensor, fn, inplace: bool) -> torch.Tensor:
+    """``x`` with ``fn`` applied to the images where ``apply`` ``(n,)`` holds, computed on those only
+    (written into ``x`` itself when ``inplace``)."""
     idx = apply.nonzero().squeeze(1).to(x.device)  # (m,)
     if len(idx) == 0:
         return x
-    return x.index_copy(0, idx, fn(x.index_select(0, idx), idx))
+    y = fn(x.index_select(0, idx), idx)  # (m, C, H, W)
+    return x.index_copy_(0, idx, y) if inplace else x.index_copy(0, idx, y)
 
 
-def color_jitter(x: torch.Tensor, strength: float, p: float, generator=None) -> torch.Tensor:
+def color_jitter(x: torch.Tensor, strength: float, p: float, generator=None, inplace: bool = False) -> torch.Tensor:
     """Brightness, contrast, saturation (factors in [1 - s, 1 + s]) and hue (shift in [-s/4, s/4])
     on images in [0, 1], each image jittered with probability ``p``.
 
@@ -117,15 +120,15 @@ def color_jitter(x: torch.Tensor, strength: float, p: float, generator=None) -> 
         y.mul_(sf).add_(gray).clamp_(0, 1)  # (y - gray) * sat + gray
         return torch.bmm(hue_matrix[idx], y.view(m, 3, h * w)).view(m, 3, h, w).clamp_(0, 1)
 
-    return _apply(x, apply, jitter)
+    return _apply(x, apply, jitter, inplace)
 
 
-def random_grayscale(x: torch.Tensor, p: float, generator=None) -> torch.Tensor:
+def random_grayscale(x: torch.Tensor, p: float, generator=None, inplace: bool = False) -> torch.Tensor:
     apply = torch.rand(x.shape[0], generator=generator) < p
-    return _apply(x, apply, lambda y, _: grayscale(y).expand_as(y))
+    return _apply(x, apply, lambda y, _: grayscale(y).expand_as(y), inplace)
 
 
-def gaussian_blur(x: torch.Tensor, kernel_size: int, sigma: tuple[float, float], p: float, generator=None) -> torch.Tensor:
+def gaussian_blur(x: torch.Tensor, kernel_size: int, sigma: tuple[float, float], p: float, generator=None, inplace: bool = False) -> torch.Tensor:
     """Separable Gaussian blur, sigma drawn per image, reflect padding, applied with probability p."""
     n, c, h, w = x.shape
     apply = torch.rand(n, generator=generator) < p
@@ -142,9 +145,9 @@ def gaussian_blur(x: torch.Tensor, kernel_size: int, sigma: tuple[float, float],
         y = F.conv2d(F.pad(y, (0, 0, pad, pad), mode="reflect"), k.view(m * c, 1, kernel_size, 1), groups=m * c)
         return y.view(m, c, h, w)
 
-    return _apply(x, apply, blur)
+    return _apply(x, apply, blur, inplace)
 
 
-def random_flip(x: torch.Tensor, p: float, generator=None) -> torch.Tensor:
+def random_flip(x: torch.Tensor, p: float, generator=None, inplace: bool = False) -> torch.Tensor:
     apply = torch.rand(x.shape[0], generator=generator) < p
-    return _apply(x, apply, lambda y, _: y.flip(-1))
+    return _apply(x, apply, lambda y, _: y.flip(-1), inplace)

@@ -105,13 +105,13 @@ class TwoViewAugmentation:
         boxes = augment.crop_boxes(n, sizes[:, 0], sizes[:, 1], tuple(self.crop_scale), generator=g)
         y = augment.resized_crops(images, boxes, self.image_size).div_(255)  # (n, 3, S, S) in [0, 1]
         if self.jitter_p > 0 and self.jitter_strength > 0:
-            y = augment.color_jitter(y, self.jitter_strength, self.jitter_p, generator=g)
+            y = augment.color_jitter(y, self.jitter_strength, self.jitter_p, generator=g, inplace=True)
         if self.grayscale_p > 0:
-            y = augment.random_grayscale(y, self.grayscale_p, generator=g)
+            y = augment.random_grayscale(y, self.grayscale_p, generator=g, inplace=True)
         if self.blur_p > 0:
-            y = augment.gaussian_blur(y, self._blur_kernel(), (0.1, 2.0), self.blur_p, generator=g)
+            y = augment.gaussian_blur(y, self._blur_kernel(), (0.1, 2.0), self.blur_p, generator=g, inplace=True)
         if self.flip_p > 0:
-            y = augment.random_flip(y, self.flip_p, generator=g)
+            y = augment.random_flip(y, self.flip_p, generator=g, inplace=True)
         mean = torch.tensor(self.mean, device=y.device).view(1, -1, 1, 1)
         std = torch.tensor(self.std, device=y.device).view(1, -1, 1, 1)
         return y.sub_(mean).div_(std)
