@@ -75,9 +75,8 @@ def resized_crops(images, boxes: torch.Tensor, size: int) -> torch.Tensor:
 
 def grayscale(x: torch.Tensor) -> torch.Tensor:
     """``(B, 3, H, W)`` -> luma ``(B, 1, H, W)``."""
-    n, _, h, w = x.shape
-    weights = torch.tensor(_GRAY, dtype=x.dtype, device=x.device).view(1, 1, 3)
-    return torch.matmul(weights, x.reshape(n, 3, h * w)).view(n, 1, h, w)  # (n, 1, HW)
+    weights = torch.tensor(_GRAY, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    return F.conv2d(x, weights)  # a 1x1 convolution: faster on CPUs than a broadcast matmul
 
 
 def _apply(x: torch.Tensor, apply: torch.Tensor, fn, inplace: bool) -> torch.Tensor:
@@ -118,7 +117,8 @@ def color_jitter(x: torch.Tensor, strength: float, p: float, generator=None, inp
         sf = sat[idx].view(view)
         gray = grayscale(y).mul_(1 - sf)  # before y changes
         y.mul_(sf).add_(gray).clamp_(0, 1)  # (y - gray) * sat + gray
-        return torch.bmm(hue_matrix[idx], y.view(m, 3, h * w)).view(m, 3, h, w).clamp_(0, 1)
+        rotation = hue_matrix[idx].view(m * 3, 3, 1, 1)  # per image a 3x3 matrix: a grouped 1x1 convolution
+        return F.conv2d(y.view(1, m * 3, h, w), rotation, groups=m).view(m, 3, h, w).clamp_(0, 1)
 
     return _apply(x, apply, jitter, inplace)
 
