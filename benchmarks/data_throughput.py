@@ -6,7 +6,8 @@ views per image at ``--image_size`` (224: MoCo v2's augmentations), through a Da
 and 2 workers:
 
   (a) pil       per-image torchvision PIL pipeline, as lightly runs it (decode + T.Compose per view)
-  (b) map       ours, map-style: TwoViewDataset over a datasets.Dataset (mixed sizes: per-image PIL)
+  (b) map       ours, map-style: TwoViewDataset over a datasets.Dataset (each image cropped at its
+                own size, then the batched kernels)
   (b) stream    ours, streamed: StreamingTwoViewDataset over webdataset shards (decode, resize to a
                 fixed size, batched augment kernels in the worker)
   (c) decode    decode only (full-size JPEG decode to RGB): the floor of any path
@@ -14,6 +15,8 @@ and 2 workers:
   (d) device    device augmentation, the device's part, measured here on the CPU (one process)
 
 Ratios are printed to (a) and to (c). Throughput excludes each loader's first batch (worker start).
+The paths are measured in interleaved rounds (``--repeats``) and the median printed, so a load
+that changes during the run (a shared machine) hits every path alike.
 
     python benchmarks/data_throughput.py                      # 96 images, batch 16, 224 px
     python benchmarks/data_throughput.py --images 256 --batch_size 32
@@ -70,7 +73,7 @@ def pil_views(augmentation):
 
 
 def decode_only(image):
-    return torch.from_numpy(np.asarray(image)).sum(dtype=torch.int64)  # forces the full decode
+    return torch.from_numpy(np.array(image)).sum(dtype=torch.int64)  # forces the full decode
 
 
 def throughput(loader, batch_size: int) -> float:
@@ -90,6 +93,7 @@ def main():
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--image_size", type=int, default=224)
     p.add_argument("--workers", default="0,1,2")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is printed")
     a = p.parse_args()
     torch.set_num_threads(1)
     augmentation = TwoViewAugmentation(image_size=a.image_size)
@@ -117,7 +121,12 @@ def main():
             "(c) decode": lambda w: loader(PerImage(blobs, decode_only), w),
             "(d) workers": lambda w: stream(True, w),
         }
-        results = {name: {w: throughput(make(w), a.batch_size) for w in workers} for name, make in paths.items()}
+        rates = {name: {w: [] for w in workers} for name in paths}
+        for _ in range(a.repeats):  # interleaved rounds: a load that changes during the run hits every path
+            for w in workers:
+                for name, make in paths.items():
+                    rates[name][w].append(throughput(make(w), a.batch_size))
+        results = {name: {w: float(np.median(r)) for w, r in row.items()} for name, row in rates.items()}
         batch = next(iter(stream(True, 0)))
         device = DeviceAugmentation(augmentation)
         device(batch["images"], 0)  # warm-up
@@ -127,7 +136,7 @@ def main():
         device_rate = 5 * len(batch["images"]) / (time.perf_counter() - start)
 
     print(f"\n{a.images} JPEGs of 200-500 px, two views at {a.image_size} px, batch {a.batch_size}, "
-          f"1 thread per process (CPU: {os.cpu_count()} cores)")
+          f"median of {a.repeats} interleaved rounds, 1 thread per process (CPU: {os.cpu_count()} cores)")
     header = "".join(f"{f'{w} workers':>12}{'/ (a)':>8}{'/ (c)':>8}" for w in workers)
     print(f"{'path':<14}{header}")
     for name, row in results.items():

@@ -31,8 +31,7 @@ class DeviceAugmentation:
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(f"images must be (B, 3, R, R) uint8, got {tuple(images.shape)} {images.dtype}")
         generator = torch.Generator().manual_seed(int(seed))  # CPU: the same parameters on every device
-        x = images.float() / 255  # (B, 3, R, R) in [0, 1]
-        return self.augmentation._tensor_view(x, generator), self.augmentation._tensor_view(x, generator)
+        return self.augmentation._tensor_view(images, generator), self.augmentation._tensor_view(images, generator)
 
     def inputs(self, batch: dict) -> dict:
         """A worker batch ``{"images", "view_seed", ...}`` -> ``{"pixel_values", "pixel_values_2", ...}``."""

@@ -46,17 +46,18 @@ class StreamingError(ValueError):
 
 
 def decode_resized(data: bytes, size: int) -> np.ndarray:
-    """An encoded image -> ``(size, size, 3)`` uint8: shorter side resized to ``size``, centre crop."""
+    """An encoded image -> ``(size, size, 3)`` uint8: its centre square resized to ``size`` (as the
+    shorter side resized to ``size`` then a centre crop, but resampling only the square)."""
     image = Image.open(io.BytesIO(data))
     if image.format == "JPEG":
         image.draft("RGB", (size, size))  # decode at 1/2, 1/4 or 1/8 scale when that still covers size
     image = to_rgb(image)
     w, h = image.size
-    scale = size / min(w, h)
-    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
-    image = image.resize((nw, nh), Image.BILINEAR, reducing_gap=None if scale > 0.5 else 2.0)
-    left, top = (nw - size) // 2, (nh - size) // 2
-    return np.asarray(image.crop((left, top, left + size, top + size)))
+    side = min(w, h)
+    left, top = (w - side) / 2, (h - side) / 2  # the centre square, in source pixels
+    box = (left, top, left + side, top + side)
+    image = image.resize((size, size), Image.BILINEAR, box=box, reducing_gap=None if size / side > 0.5 else 2.0)
+    return np.asarray(image)
 
 
 class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
@@ -254,9 +255,8 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
                 out.update(images=images, view_seed=torch.tensor(seed))
             else:
                 generator = torch.Generator().manual_seed(seed)
-                x = images.float() / 255  # (B, 3, R, R)
-                out.update(pixel_values=self.augmentation._tensor_view(x, generator),
-                           pixel_values_2=self.augmentation._tensor_view(x, generator))
+                out.update(pixel_values=self.augmentation._tensor_view(images, generator),
+                           pixel_values_2=self.augmentation._tensor_view(images, generator))
             if self.return_keys:
                 out["__key__"] = [k for _, k in batch_samples]
             yield out
