@@ -23,7 +23,7 @@ def pretrain():
 def test_pretrain_runs_and_reports(pretrain, tmp_path, capsys):
     results = pretrain.main([
         "--backbone", "test_resnet", "--projection_hidden_dim", "32", "--max_train_samples", "256",
-        "--num_train_epochs", "4", "--per_device_train_batch_size", "32", "--queue_size", "128",
+        "--num_train_epochs", "4", "--per_device_train_batch_size", "16", "--queue_size", "128",
         "--output_dir", str(tmp_path), "--save_strategy", "no", "--knn_k", "20", "--disable_tqdm", "True",
         "--dataloader_num_workers", "0", "--knn_every_n_steps", "8", "--logging_steps", "4",
         "--eval_strategy", "steps", "--eval_steps", "8",
@@ -31,7 +31,7 @@ def test_pretrain_runs_and_reports(pretrain, tmp_path, capsys):
     out = capsys.readouterr().out
     for row in ("kNN top-1, pretrained encoder", "raw pixels", "ln(K+1)"):
         assert row in out
-    assert results["knn_pretrained"] > results["knn_random_init"] + 0.02 and results["knn_raw_pixels"] > 0.8  # raw: ~0.9
+    assert results["knn_pretrained"] > results["knn_random_init"] + 0.05 and results["knn_raw_pixels"] > 0.8  # raw: ~0.9
     assert results["eval_loss"] < results["no_signal_loss"] and 0.0 < results["eval_contrastive_top1"] <= 1.0
     assert results["no_signal_loss"] == pytest.approx(math.log(129))
     assert results["final_loss"] < results["no_signal_loss"]
