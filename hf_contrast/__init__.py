@@ -4,7 +4,7 @@ from transformers import AutoConfig, AutoModel
 
 from .backbone import ProjectionHead, create_backbone
 from .checkpointing import CheckpointError, check_checkpoint, last_complete_checkpoint
-from .configuration import ContrastiveConfig, MoCoConfig, SimCLRConfig
+from .configuration import ContrastiveConfig, MoCoConfig, MoCoV3Config, SimCLRConfig
 from .data import (
     TwoViewAugmentation,
     TwoViewDataset,
@@ -18,12 +18,13 @@ from .evaluation import extract_features, knn_accuracy, knn_top1
 from .export import export_encoder
 from .grad_cache import grad_cache_step
 from .hub import HubPushError, push_encoder_to_hub
-from .losses import info_nce_logits, info_nce_loss, nt_xent_logits, nt_xent_loss
+from .losses import info_nce_logits, info_nce_loss, mocov3_logits, mocov3_loss, nt_xent_logits, nt_xent_loss
 from .memory_probe import ActivationProbe, peak_memory_bytes, probe_activation_memory
 from .metrics import ContrastiveMetrics
 from .model_card import EncoderCardData
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .modeling_moco import MoCoModel
+from .modeling_mocov3 import MoCoV3Model
 from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, enqueue_, momentum_at
 from .monitors import KNNMonitor, QueueConsistencyMonitor, RepresentationMonitor, TrainingMonitor
@@ -32,8 +33,10 @@ from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumC
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
 AutoConfig.register(SimCLRConfig.model_type, SimCLRConfig, exist_ok=True)
+AutoConfig.register(MoCoV3Config.model_type, MoCoV3Config, exist_ok=True)
 AutoModel.register(MoCoConfig, MoCoModel, exist_ok=True)
 AutoModel.register(SimCLRConfig, SimCLRModel, exist_ok=True)
+AutoModel.register(MoCoV3Config, MoCoV3Model, exist_ok=True)
 
 __version__ = "0.1.0"
 
@@ -51,6 +54,8 @@ __all__ = [
     "KNNMonitor",
     "MoCoConfig",
     "MoCoModel",
+    "MoCoV3Config",
+    "MoCoV3Model",
     "MomentumCallback",
     "NonFiniteLossError",
     "ProjectionHead",
@@ -79,6 +84,8 @@ __all__ = [
     "last_complete_checkpoint",
     "load_default_dataset",
     "momentum_at",
+    "mocov3_logits",
+    "mocov3_loss",
     "negatives_per_anchor",
     "nt_xent_logits",
     "nt_xent_loss",
