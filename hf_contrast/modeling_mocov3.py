@@ -39,6 +39,7 @@ class MoCoV3Model(ContrastivePreTrainedModel):
     """
 
     config_class = MoCoV3Config
+    momentum_schedule_offset = 1  # MomentumCallback: the update after step i uses m_{i+1} (see above)
 
     def __init__(self, config: MoCoV3Config):
         super().__init__(config)
