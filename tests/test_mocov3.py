@@ -185,3 +185,14 @@ def test_config_validation():
     assert (cfg.projection_dim, cfg.projection_hidden_dim, cfg.momentum, cfg.momentum_schedule) == (256, 4096, 0.99,
                                                                                                     "cosine")
     assert math.isclose(build().loss_scale, 4.0)
+
+
+def test_card_counts_gathered_and_per_device_negatives():
+    from hf_contrast import EncoderCardData
+
+    card = EncoderCardData.from_model(build(), per_device_batch_size=32, world_size=4)
+    assert card.method == "MoCo v3" and card.negatives == 127  # 32 * 4 - 1
+    assert "in-batch keys of the momentum encoder, gathered over W processes: N*W - 1 negatives" in \
+        card.negatives_explanation and "W = 4" in card.negatives_explanation
+    per_device = EncoderCardData.from_model(build(gather_distributed=False), per_device_batch_size=32, world_size=4)
+    assert per_device.negatives == 31 and "other 3 process(es) were not used" in per_device.negatives_explanation

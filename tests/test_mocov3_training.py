@@ -136,3 +136,37 @@ def test_queue_monitor_refuses_knn_and_representation_monitors_work(tmp_path):
     assert knn.history and 0.0 <= knn.history[-1]["knn_top1"] <= 1.0
     assert rep.history and rep.history[-1]["heldout_embedding_std"] > 0
     assert any("knn_top1" in h for h in trainer.state.log_history)
+
+
+def test_export_loads_without_hf_contrast_and_card_states_the_negatives(digits, tmp_path):
+    """The query encoder of a trained MoCo v3 (ResNet with BatchNorm; ViT with its frozen patch
+    projection) exports in timm format; timm and transformers load it with hf_contrast not imported
+    and give its features; the card says where the N*W - 1 negatives come from."""
+    from test_hub_export import AUGMENTATION, expected_features, run_loaders, train_tiny
+
+    from hf_contrast import export_encoder
+
+    exports, expected = {}, {}
+    for backbone in ("test_resnet", "test_vit"):
+        tmp = tmp_path / backbone
+        tmp.mkdir()
+        model = build(backbone)
+        trainer = train_tiny(model, digits, tmp, steps=2, batch_size=16)
+        exports[backbone] = export_encoder(trainer, tmp / "encoder", augmentation=AUGMENTATION)
+        expected[backbone] = expected_features(model.encoder, digits, tmp)
+        weights = load_file(exports[backbone] / "model.safetensors")
+        assert weights.keys() == model.encoder.state_dict().keys()  # query encoder only
+        momentum = model.momentum_encoder.state_dict()
+        assert any(not torch.equal(weights[k], momentum[k]) for k in weights)  # not the momentum side
+    meta, out = run_loaders(exports, tmp_path)
+    assert meta["hf_contrast_imported"] is False
+    for name, ref in expected.items():
+        for loader in ("timm", "auto", "classifier_features", "pipeline"):
+            want = ref["features_images"] if loader == "pipeline" else ref["features_x"]
+            torch.testing.assert_close(out[f"{name}/{loader}"], want, atol=1e-5, rtol=0, msg=f"{name}/{loader}")
+    card = (exports["test_resnet"] / "README.md").read_text()
+    assert "# MoCo v3 test_resnet encoder" in card
+    assert "**15 negatives**: in-batch keys of the momentum encoder, gathered over W processes: N*W - 1 negatives" in card
+    assert "N = 16 images per device and W = 1 process(es)" in card
+    assert "| negatives per anchor | 15 |" in card and "| queue | none" in card
+    assert "0.99 (cosine schedule, to 1.0 at the last step)" in card and "predictor 2-layer MLP 24-16" in card
