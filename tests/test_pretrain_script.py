@@ -43,3 +43,39 @@ def test_pretrain_runs_and_reports(pretrain, tmp_path, capsys):
 def test_pretrain_rejects_unknown_method(pretrain, tmp_path):
     with pytest.raises(ValueError, match="method='byol' is invalid"):
         pretrain.main(["--method", "byol", "--output_dir", str(tmp_path), "--max_train_samples", "64"])
+
+
+@pytest.mark.parametrize("backbone,extra,recipe", [
+    ("test_resnet", ["--lars"], "lars"),
+    ("test_vit", [], "vit"),
+])
+def test_pretrain_mocov3_uses_the_official_optimizer_recipe(pretrain, tmp_path, backbone, extra, recipe, monkeypatch):
+    seen = {}
+    original = pretrain.ContrastiveTrainer.create_optimizer
+
+    def spy(self, *a, **kw):
+        opt = original(self, *a, **kw)
+        seen.update(cls=type(opt).__name__, lr=self.args.learning_rate, wd=self.args.weight_decay,
+                    warmup=self.args.warmup_steps, model=self.model)
+        return opt
+
+    monkeypatch.setattr(pretrain.ContrastiveTrainer, "create_optimizer", spy)
+    results = pretrain.main([
+        "--method", "mocov3", "--backbone", backbone, *extra, "--projection_hidden_dim", "32",
+        "--predictor_hidden_dim", "32", "--max_train_samples", "128", "--num_train_epochs", "1",
+        "--per_device_train_batch_size", "32", "--output_dir", str(tmp_path), "--save_strategy", "no",
+        "--knn_k", "20", "--disable_tqdm", "True", "--dataloader_num_workers", "0", "--knn_every_n_steps", "0",
+        "--logging_steps", "2",
+    ])
+    if recipe == "lars":
+        assert seen["cls"] == "LARS" and seen["lr"] == pytest.approx(0.6 * 32 / 256)
+        assert seen["wd"] == 1e-6 and seen["warmup"] == pytest.approx(0.1)
+    else:
+        assert seen["cls"] == "AdamW" and seen["lr"] == pytest.approx(1.5e-4 * 32 / 256)
+        assert seen["wd"] == 0.1 and seen["warmup"] == pytest.approx(40 / 300)
+        assert seen["model"].config.freeze_patch_embed and seen["model"].config.predictor_output_batch_norm
+        assert seen["model"].config.backbone_kwargs["img_size"] == 32
+    assert seen["model"].config.momentum_schedule == "cosine"
+    assert results["no_signal_loss"] == pytest.approx(math.log(32) * 4 * seen["model"].config.temperature)
+    card = (tmp_path / "encoder" / "README.md").read_text()
+    assert "# MoCo v3" in card and "N*W - 1 negatives" in card
