@@ -258,7 +258,7 @@ class EncoderCardData:
 
     def to_model_card_data(self) -> ModelCardData:
         """The YAML header: ``library_name: timm``, ``pipeline_tag: image-feature-extraction``, tags."""
-        tags = ["timm", "hf_contrast", "self-supervised", "contrastive-learning", self.method.lower(), self.backbone]
+        tags = ["timm", "hf_contrast", "self-supervised", "contrastive-learning", self.method.lower().replace(" ", ""), self.backbone]
         return ModelCardData(
             library_name="timm", pipeline_tag="image-feature-extraction", license=self.license,
             tags=tags, datasets=list(self.datasets) or None,
