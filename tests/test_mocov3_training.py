@@ -151,7 +151,7 @@ def test_export_loads_without_hf_contrast_and_card_states_the_negatives(digits, 
         tmp = tmp_path / backbone
         tmp.mkdir()
         model = build(backbone)
-        trainer = train_tiny(model, digits, tmp, steps=2, batch_size=16)
+        trainer = train_tiny(model, digits, tmp, steps=1, batch_size=16)
         exports[backbone] = export_encoder(trainer, tmp / "encoder", augmentation=AUGMENTATION)
         expected[backbone] = expected_features(model.encoder, digits, tmp)
         weights = load_file(exports[backbone] / "model.safetensors")
