@@ -4,7 +4,7 @@ from transformers import AutoConfig, AutoModel
 
 from .backbone import ProjectionHead, create_backbone
 from .checkpointing import CheckpointError, check_checkpoint, last_complete_checkpoint
-from .configuration import ContrastiveConfig, MoCoConfig, SimCLRConfig
+from .configuration import ContrastiveConfig, MoCoConfig, MoCoV3Config, SimCLRConfig
 from .corpus import false_negative_estimate
 from .data import (
     TwoViewAugmentation,
@@ -24,6 +24,8 @@ from .losses import (
     debiased_contrastive_loss,
     info_nce_logits,
     info_nce_loss,
+    mocov3_logits,
+    mocov3_loss,
     multi_positive_info_nce,
     nt_xent_logits,
     nt_xent_loss,
@@ -33,6 +35,7 @@ from .metrics import ContrastiveMetrics
 from .model_card import EncoderCardData
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .modeling_moco import MoCoModel
+from .modeling_mocov3 import MoCoV3Model
 from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, enqueue_, momentum_at
 from .monitors import (
@@ -50,8 +53,10 @@ from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumC
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
 AutoConfig.register(SimCLRConfig.model_type, SimCLRConfig, exist_ok=True)
+AutoConfig.register(MoCoV3Config.model_type, MoCoV3Config, exist_ok=True)
 AutoModel.register(MoCoConfig, MoCoModel, exist_ok=True)
 AutoModel.register(SimCLRConfig, SimCLRModel, exist_ok=True)
+AutoModel.register(MoCoV3Config, MoCoV3Model, exist_ok=True)
 
 __version__ = "0.1.0"
 
@@ -71,6 +76,8 @@ __all__ = [
     "KNNMonitor",
     "MoCoConfig",
     "MoCoModel",
+    "MoCoV3Config",
+    "MoCoV3Model",
     "NegativeQueue",
     "MomentumCallback",
     "NonFiniteLossError",
@@ -104,6 +111,8 @@ __all__ = [
     "last_complete_checkpoint",
     "load_default_dataset",
     "momentum_at",
+    "mocov3_logits",
+    "mocov3_loss",
     "negatives_per_anchor",
     "nt_xent_logits",
     "multi_positive_info_nce",

@@ -24,10 +24,13 @@ class ProjectionHead(nn.Sequential):
 
     MoCo v2 uses 2048-ReLU-128 without BatchNorm; SimCLR uses BatchNorm in the hidden layers; MoCo v3
     and SimCLR v2 also normalise the output with a BatchNorm without affine parameters.
+
+    ``output_bias`` (default: only without ``output_batch_norm``) sets the bias of the last Linear;
+    MoCo v3's ``_build_mlp`` has no bias anywhere, also on a predictor without output BatchNorm.
     """
 
     def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, num_layers: int = 2, batch_norm: bool = False,
-                 output_batch_norm: bool = False):
+                 output_batch_norm: bool = False, output_bias: bool | None = None):
         layers: list[nn.Module] = []
         dim = in_dim
         for _ in range(num_layers - 1):
@@ -36,7 +39,8 @@ class ProjectionHead(nn.Sequential):
                 layers.append(nn.BatchNorm1d(hidden_dim))
             layers.append(nn.ReLU(inplace=True))
             dim = hidden_dim
-        layers.append(nn.Linear(dim, out_dim, bias=not output_batch_norm))
+        output_bias = not output_batch_norm if output_bias is None else output_bias
+        layers.append(nn.Linear(dim, out_dim, bias=output_bias))
         if output_batch_norm:  # MoCo v3 / SimCLR v2: every output dimension keeps unit batch variance
             layers.append(nn.BatchNorm1d(out_dim, affine=False))
         super().__init__(*layers)

@@ -210,3 +210,91 @@ class SimCLRConfig(ContrastiveConfig):
         _check(self.grad_cache_chunk_size is None or (self.tau_plus == 0 and self.false_negatives is None),
                "grad_cache_chunk_size", self.grad_cache_chunk_size,
                "None when tau_plus > 0 or false_negatives is set (the cached step computes plain NT-Xent)")
+
+
+@strict(accept_kwargs=True)
+class MoCoV3Config(ContrastiveConfig):
+    """MoCo v3 (Chen, Xie, He 2021): a momentum encoder whose keys of the whole (gathered) batch are
+    the negatives, a predictor on the query side, no queue.
+
+    Defaults are the official ResNet-50 recipe (facebookresearch/moco-v3 ``main_moco.py`` and
+    ``moco/builder.py`` ``MoCo_ResNet``): projector 2048-4096-256 (2 layers), predictor 256-4096-256
+    without output BatchNorm, temperature 1.0, momentum 0.99 with a cosine schedule to 1. For a ViT
+    the official ``MoCo_ViT`` uses a 3-layer projector, a predictor WITH a non-affine output
+    BatchNorm, temperature 0.2 and a frozen patch projection: :meth:`for_backbone` picks those.
+
+    Heads follow the official ``_build_mlp``: bias-free Linear layers, BatchNorm + ReLU after each
+    hidden one, and on the output a ``BatchNorm1d(affine=False)`` where the recipe has one.
+
+    Each query has 1 positive and ``N * W - 1`` negatives (``N`` images per device, ``W`` processes):
+    the momentum encoder's keys of the other images of the global batch, gathered without gradient.
+
+    Args:
+        predictor_hidden_dim: width of the predictor's hidden layers (4096).
+        predictor_layers: linear layers of the predictor (2).
+        predictor_batch_norm: BatchNorm after the predictor's hidden layers.
+        predictor_output_batch_norm: non-affine BatchNorm on the predictor's output: False for
+            ResNets (``MoCo_ResNet``), True for ViTs (``MoCo_ViT``).
+        momentum: EMA coefficient at step 0, in [0, 1] (0.99 in MoCo v3; the paper's ViT-B ablation:
+            0 -> 74.3, 0.9 -> 75.6, 0.99 -> 76.5, 0.999 -> 75.0).
+        momentum_schedule: ``"cosine"`` (official: from ``momentum`` to 1.0, per iteration) or
+            ``"constant"``.
+        gather_distributed: contrast each query with the keys of all processes (``N * W - 1``
+            negatives). Off gives per-device negatives (``N - 1``).
+        freeze_patch_embed: freeze the ViT patch projection (``patch_embed.proj``) at its random
+            init, the paper's stability trick (+1.7 on ViT-B at 100 epochs). Needs a backbone with
+            ``patch_embed.proj``.
+    """
+
+    model_type = "hf_contrast_mocov3"
+
+    projection_hidden_dim: int = 4096
+    projection_dim: int = 256
+    projection_layers: int = 2
+    projection_batch_norm: bool = True
+    projection_output_batch_norm: bool = True
+    temperature: float = 1.0
+    predictor_hidden_dim: int = 4096
+    predictor_layers: int = 2
+    predictor_batch_norm: bool = True
+    predictor_output_batch_norm: bool = False
+    momentum: float = 0.99
+    momentum_schedule: Literal["constant", "cosine"] = "cosine"
+    gather_distributed: bool = True
+    freeze_patch_embed: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        _check(lambda: self.predictor_hidden_dim >= 1, "predictor_hidden_dim", self.predictor_hidden_dim,
+               "an integer >= 1")
+        _check(lambda: self.predictor_layers >= 1, "predictor_layers", self.predictor_layers, "an integer >= 1")
+        _check(lambda: 0.0 <= self.momentum <= 1.0, "momentum", self.momentum, "in [0, 1] (0.99 in MoCo v3)")
+        _check(self.momentum_schedule in MOMENTUM_SCHEDULES, "momentum_schedule", self.momentum_schedule,
+               f"one of {MOMENTUM_SCHEDULES}")
+        # not built for MoCo v3's in-batch keys yet: refuse rather than silently ignore
+        _check(self.false_negatives is None, "false_negatives", self.false_negatives,
+               "None for MoCo v3 (false-negative cancellation is implemented for MoCo and SimCLR)")
+        _check(self.tau_plus == 0.0, "tau_plus", self.tau_plus,
+               "0 for MoCo v3 (the debiased loss is implemented for MoCo and SimCLR)")
+
+    @classmethod
+    def for_backbone(cls, backbone: str, **kwargs) -> MoCoV3Config:
+        """The official recipe for ``backbone``'s family: ``MoCo_ViT`` (3-layer projector, predictor
+        output BatchNorm, temperature 0.2, frozen patch projection) for backbones with a patch
+        embedding, ``MoCo_ResNet`` otherwise. ``kwargs`` override any field."""
+        check_timm_name(backbone)
+        if is_patch_backbone(backbone, (kwargs.get("backbone_kwargs") or {})):
+            kwargs = {**dict(projection_layers=3, predictor_output_batch_norm=True, temperature=0.2,
+                             freeze_patch_embed=True), **kwargs}
+        return cls(backbone=backbone, **kwargs)
+
+
+def is_patch_backbone(backbone: str, backbone_kwargs: dict | None = None) -> bool:
+    """Whether a timm architecture embeds patches with a ``patch_embed.proj`` layer (ViT, DeiT, ...).
+    Built on the meta device: no memory, no weights."""
+    import torch
+
+    with torch.device("meta"):
+        model = timm.create_model(backbone.split(".", 1)[0], pretrained=False, num_classes=0,
+                                  **(backbone_kwargs or {}))
+    return hasattr(getattr(model, "patch_embed", None), "proj")

@@ -40,7 +40,8 @@ def split_source(source):
         return model, source
     if not hasattr(source, "encoder") or not hasattr(getattr(source, "config", None), "backbone"):
         raise ValueError(
-            f"Cannot export a {type(source).__name__}: pass a MoCoModel, a SimCLRModel or a ContrastiveTrainer."
+            f"Cannot export a {type(source).__name__}: pass a MoCoV3Model, a MoCoModel, a SimCLRModel or a "
+            "ContrastiveTrainer."
         )
     return source, None
 
@@ -104,7 +105,8 @@ def export_encoder(source, directory: str | Path, *, card: EncoderCardData | Non
     """Write the query encoder of ``source`` as a timm Hub folder with its model card.
 
     Args:
-        source: a :class:`~hf_contrast.MoCoModel`, :class:`~hf_contrast.SimCLRModel` or a
+        source: a :class:`~hf_contrast.MoCoModel`, :class:`~hf_contrast.MoCoV3Model`,
+            :class:`~hf_contrast.SimCLRModel` or a
             :class:`~hf_contrast.ContrastiveTrainer` (which also fills batch, steps and curves of the card).
         directory: a new or empty directory.
         card: the card data; built from ``source`` when ``None``.

@@ -190,3 +190,38 @@ def contrastive_loss(
     if tau_plus > 0:
         return debiased_contrastive_loss(logits, labels, temperature, tau_plus)
     return F.cross_entropy(logits, labels)
+
+
+def mocov3_logits(
+    query: torch.Tensor, keys: torch.Tensor, temperature: float, rank: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and labels of MoCo v3's ``ctr(q, k)``: each local query against every key of the batch.
+
+    Args:
+        query: this process's queries (predictor outputs), shape ``(N, D)``.
+        keys: the momentum encoder's keys of the other view, gathered over all processes in rank
+            order, shape ``(M, D)`` with ``M = N * W`` (``M = N`` on one process).
+        temperature: softmax temperature, > 0.
+        rank: index of this process; query ``i`` is the image of key ``rank * N + i``.
+
+    Returns:
+        ``(logits, labels)``: float32 logits ``(N, M)`` and the positive's column ``(N,)``; the other
+        ``M - 1`` columns are the negatives.
+    """
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        q = _fp32_normalize(query)  # (N, D)
+        k = _fp32_normalize(keys)  # (M, D)
+        logits = torch.einsum("nd,md->nm", q, k) / temperature  # (N, M)
+    n = q.shape[0]
+    labels = torch.arange(n, device=q.device) + rank * n  # (N,) this process's images among the M keys
+    return logits, labels
+
+
+def mocov3_loss(query: torch.Tensor, keys: torch.Tensor, temperature: float, rank: int = 0) -> torch.Tensor:
+    """MoCo v3's ``ctr(q, k) = CrossEntropy(q @ k.T / T, labels) * 2T`` (see :func:`mocov3_logits`).
+
+    The ``2T`` factor is the official code's: it keeps the gradient's scale independent of ``T``.
+    The full MoCo v3 loss is ``mocov3_loss(q1, k2) + mocov3_loss(q2, k1)``.
+    """
+    logits, labels = mocov3_logits(query, keys, temperature, rank)
+    return F.cross_entropy(logits, labels) * (2 * temperature)

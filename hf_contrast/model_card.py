@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 TEMPLATE_NAME = "encoder_card.md.jinja"
 CURVES_FILENAME = "training_curves.png"
-METHOD_NAMES = {"hf_contrast_moco": "MoCo", "hf_contrast_simclr": "SimCLR"}
+METHOD_NAMES = {"hf_contrast_moco": "MoCo", "hf_contrast_simclr": "SimCLR", "hf_contrast_mocov3": "MoCo v3"}
 _CURVE_KEYS = (("loss", "contrastive loss"), ("contrastive_top1", "contrastive top-1"), ("knn_top1", "kNN top-1"))
 
 
@@ -69,7 +69,7 @@ class EncoderCardData:
     (:meth:`from_trainer`), from a model (:meth:`from_model`) or given explicitly.
 
     Args:
-        method: ``"MoCo"`` or ``"SimCLR"``.
+        method: ``"MoCo"``, ``"MoCo v3"`` or ``"SimCLR"``.
         backbone: the timm architecture.
         num_features: size of the pooled features the encoder returns.
         num_parameters: parameters of the exported encoder.
@@ -80,8 +80,9 @@ class EncoderCardData:
         per_device_batch_size: images per device per micro-batch (N).
         world_size: number of processes (W).
         gradient_accumulation_steps: micro-batches per optimizer step.
-        gather_distributed: SimCLR: views gathered from all processes.
-        queue_size, momentum, momentum_schedule, symmetric_loss: MoCo's queue and key encoder.
+        gather_distributed: SimCLR: views gathered from all processes; MoCo v3: keys gathered.
+        queue_size, momentum, momentum_schedule, symmetric_loss: MoCo's queue and key encoder
+            (MoCo v3: momentum and schedule only).
         negatives: negatives per anchor; computed from the fields above when ``None``.
         measured_negatives: the mean negatives per anchor after masking, as last logged
             (``num_negatives`` in ``log_history``; default: taken from it).
@@ -153,9 +154,13 @@ class EncoderCardData:
         """
         cfg = model.config
         moco = cfg.model_type == "hf_contrast_moco"
+        ema = moco or cfg.model_type == "hf_contrast_mocov3"  # a momentum encoder
         head = f"{cfg.projection_layers}-layer MLP {cfg.projection_hidden_dim}-{cfg.projection_dim}"
         head += ", BatchNorm" if cfg.projection_batch_norm else ""
         head += ", output BatchNorm" if cfg.projection_output_batch_norm else ""
+        if hasattr(cfg, "predictor_layers"):  # MoCo v3
+            head += (f"; predictor {cfg.predictor_layers}-layer MLP {cfg.predictor_hidden_dim}-{cfg.projection_dim}"
+                     + (", output BatchNorm" if cfg.predictor_output_batch_norm else ""))
         fields = dict(
             method=METHOD_NAMES.get(cfg.model_type, cfg.model_type),
             backbone=cfg.backbone.split(".", 1)[0],
@@ -168,8 +173,8 @@ class EncoderCardData:
             projection=head,
             gather_distributed=None if moco else cfg.gather_distributed,
             queue_size=cfg.queue_size if moco else None,
-            momentum=cfg.momentum if moco else None,
-            momentum_schedule=cfg.momentum_schedule if moco else None,
+            momentum=cfg.momentum if ema else None,
+            momentum_schedule=cfg.momentum_schedule if ema else None,
             symmetric_loss=cfg.symmetric_loss if moco else None,
             exclude_same_instance=cfg.exclude_same_instance if moco else None,
             false_negatives=getattr(cfg, "false_negatives", None),
@@ -213,6 +218,10 @@ class EncoderCardData:
         return self.method.lower() == "moco"
 
     @property
+    def is_mocov3(self) -> bool:
+        return self.method.lower() == "moco v3"
+
+    @property
     def global_batch_size(self) -> int | None:
         """Images per optimizer step: per-device batch x world size x accumulation."""
         if self.per_device_batch_size is None:
@@ -237,6 +246,15 @@ class EncoderCardData:
             return text
         if n is None:
             return "The per-device batch size was not recorded, so the number of negatives is unknown."
+        if self.is_mocov3:
+            if self.gather_distributed:
+                return (f"Each query has 1 positive (the momentum encoder's key of its other view) and **{k} "
+                        "negatives**: in-batch keys of the momentum encoder, gathered over W processes: N*W - 1 "
+                        f"negatives, with N = {n} images per device and W = {w} process(es). Keys are gathered "
+                        "without gradient; there is no queue.")
+            text = (f"Each query has 1 positive and **{k} negatives = N - 1** with N = {n} images per device: only "
+                    "the momentum encoder's keys of its own device's batch (`gather_distributed=False`).")
+            return text + (f" The keys on the other {w - 1} process(es) were not used." if w > 1 else "")
         if self.gather_distributed:
             return (f"Each anchor has 1 positive and **{k} negatives = 2·N·W − 2** with N = {n} images per device "
                     f"and W = {w} process(es): the other views of the global batch, gathered from every process "
@@ -277,7 +295,7 @@ class EncoderCardData:
 
     def to_model_card_data(self) -> ModelCardData:
         """The YAML header: ``library_name: timm``, ``pipeline_tag: image-feature-extraction``, tags."""
-        tags = ["timm", "hf_contrast", "self-supervised", "contrastive-learning", self.method.lower(), self.backbone]
+        tags = ["timm", "hf_contrast", "self-supervised", "contrastive-learning", self.method.lower().replace(" ", ""), self.backbone]
         return ModelCardData(
             library_name="timm", pipeline_tag="image-feature-extraction", license=self.license,
             tags=tags, datasets=list(self.datasets) or None,

@@ -272,10 +272,14 @@ class QueueConsistencyMonitor(TrainingMonitor):
         self.ages, self.num_ages, self.max_rows = ages, num_ages, max_rows
         self.records: dict[int, dict] = {}  # enqueue step -> {"images", "keys", "groups"}
 
+    def attach(self, trainer):
+        """Register with ``trainer`` (a MoCo one: see :func:`require_queue`). Returns ``self``."""
+        require_queue(trainer.accelerator.unwrap_model(trainer.model), type(self).__name__)
+        return super().attach(trainer)
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
-        if not hasattr(model, "queue"):
-            raise ValueError(f"QueueConsistencyMonitor needs a MoCoModel, got {type(model).__name__}")
+        require_queue(model, type(self).__name__)
         if self.ages is None:
             self.ages = default_ages(model.config, args, self.num_ages)
         self.records.clear()
@@ -318,6 +322,19 @@ class QueueConsistencyMonitor(TrainingMonitor):
             logs["queue_consistency"] = round(sum(stats[:-1]) / len(values), 5)
         logs["key_drift"] = float(f"{stats[-1]:.4g}")
         return logs
+
+
+def require_queue(model, monitor: str) -> None:
+    """Raise a ``ValueError`` naming the monitor unless ``model`` has MoCo's queue."""
+    if hasattr(model, "queue"):
+        return
+    if hasattr(model, "momentum_encoder"):  # MoCoV3Model
+        raise ValueError(
+            f"{monitor} measures MoCo's queue of keys from earlier steps, but {type(model).__name__} (MoCo v3) has no "
+            "queue: its negatives are the current batch's keys, made by today's momentum encoder, so there is no "
+            "stale key to measure. Use KNNMonitor and RepresentationMonitor with MoCo v3."
+        )
+    raise ValueError(f"{monitor} needs a MoCoModel (a model with a queue), got {type(model).__name__}")
 
 
 def default_ages(config, args, num_ages: int = 4) -> list[int]:

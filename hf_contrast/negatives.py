@@ -4,6 +4,7 @@ the planner and the monitors all call."""
 from __future__ import annotations
 
 MOCO_TYPES = ("hf_contrast_moco",)
+MOCOV3_TYPES = ("hf_contrast_mocov3",)
 
 
 def negatives_per_anchor(config, per_device_batch_size: int | None, world_size: int = 1) -> int | None:
@@ -11,7 +12,8 @@ def negatives_per_anchor(config, per_device_batch_size: int | None, world_size: 
 
     MoCo: ``queue_size``, whatever the batch. SimCLR: ``2 * N * W - 2`` when the views of all ``W``
     processes are gathered (``config.gather_distributed``), else ``2 * N - 2``, for a per-device
-    batch of ``N`` images. Gradient accumulation does not enter: the loss is computed inside each
+    batch of ``N`` images. MoCo v3: ``N * W - 1``, the in-batch keys of the momentum encoder gathered
+    over the ``W`` processes (``N - 1`` without ``config.gather_distributed``). Gradient accumulation does not enter: the loss is computed inside each
     micro-batch. ``None`` when the count depends on a batch size that is unknown.
 
     False-negative cancellation (``config.false_negatives``) takes ``false_negative_top_k`` of them
@@ -25,7 +27,10 @@ def negatives_per_anchor(config, per_device_batch_size: int | None, world_size: 
         return None
     else:
         world = world_size if getattr(config, "gather_distributed", True) else 1
-        nominal = 2 * per_device_batch_size * world - 2
+        if config.model_type in MOCOV3_TYPES:
+            nominal = per_device_batch_size * world - 1
+        else:
+            nominal = 2 * per_device_batch_size * world - 2
     if getattr(config, "false_negatives", None) is not None:
         nominal = max(nominal - config.false_negative_top_k, 0)
     return nominal

@@ -33,6 +33,7 @@ from .grad_cache import grad_cache_step
 from .hub import push_encoder_to_hub
 from .metrics import ContrastiveMetrics
 from .modeling_moco import MoCoModel
+from .modeling_mocov3 import MoCoV3Model
 from .modeling_simclr import SimCLRModel
 from .momentum import momentum_at
 from .negatives import negatives_per_anchor
@@ -89,6 +90,12 @@ class MomentumCallback(TrainerCallback):
     optimizers (Trainer's default ``adamw_torch_fused``): the scaler always calls them and they skip
     the update themselves, so ``step_was_skipped`` stays False. Reading the scale is a host sync, paid
     only when a grad scaler is enabled (fp16).
+
+    MoCo v3 (:class:`~hf_contrast.MoCoV3Model`): the official code updates inside ``forward``, at the
+    start of iteration ``i``, with ``m_i``; here the update after optimizer step ``i`` uses ``m_{i+1}``
+    (``model.momentum_schedule_offset = 1``), so every forward sees the same momentum encoder as
+    there. The official no-op update of iteration 0 (momentum side still equal to the query side) is
+    skipped, and the update after the last step uses ``m = 1`` (cosine): it changes nothing.
     """
 
     def __init__(self):
@@ -113,7 +120,8 @@ class MomentumCallback(TrainerCallback):
         if self._step_was_skipped(optimizer):
             return
         cfg = model.config
-        self.last_momentum = momentum_at(state.global_step, state.max_steps, cfg.momentum, cfg.momentum_schedule)
+        step = state.global_step + getattr(model, "momentum_schedule_offset", 0)
+        self.last_momentum = momentum_at(step, state.max_steps, cfg.momentum, cfg.momentum_schedule)
         model.momentum_update(self.last_momentum)
 
 
@@ -137,7 +145,7 @@ class EpochCallback(TrainerCallback):
 
 
 class ContrastiveTrainer(Trainer):
-    """Trainer for :class:`MoCoModel` and :class:`SimCLRModel`.
+    """Trainer for :class:`MoCoModel`, :class:`MoCoV3Model` and :class:`SimCLRModel`.
 
     It accepts any dataset whose items hold ``pixel_values`` and ``pixel_values_2`` tensors.
     On top of ``Trainer`` it enqueues MoCo's keys after each micro-batch's loss, applies the key
@@ -149,8 +157,9 @@ class ContrastiveTrainer(Trainer):
 
     def __init__(self, model=None, args: TrainingArguments | None = None, **kwargs):
         args = args if args is not None else ContrastiveTrainingArguments()
-        if not isinstance(model, (MoCoModel, SimCLRModel)):
-            raise ValueError(f"ContrastiveTrainer needs a MoCoModel or SimCLRModel, got {type(model).__name__}")
+        if not isinstance(model, (MoCoModel, MoCoV3Model, SimCLRModel)):
+            raise ValueError(
+                f"ContrastiveTrainer needs a MoCoV3Model, MoCoModel or SimCLRModel, got {type(model).__name__}")
         sharded = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or os.environ.get(
             "ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
         if args.fsdp or args.deepspeed or sharded:
@@ -165,15 +174,17 @@ class ContrastiveTrainer(Trainer):
                              "max_steps > 0 (pretrain.py: --max_steps N; hf_contrast.streaming.steps_for_epochs "
                              "gives the steps of a number of epochs)")
         super().__init__(model=model, args=args, **kwargs)
-        self.is_moco = isinstance(model, MoCoModel)
+        self.is_moco = isinstance(model, MoCoModel)  # the queue-based MoCo (v2)
+        self.is_mocov3 = isinstance(model, MoCoV3Model)
         self.add_callback(EpochCallback(self))
-        self.momentum_callback = MomentumCallback() if self.is_moco else None
+        self.momentum_callback = MomentumCallback() if self.is_moco or self.is_mocov3 else None
         if self.momentum_callback is not None:
             self.add_callback(self.momentum_callback)
         self.contrastive_metrics = ContrastiveMetrics(model.config.temperature)
         self._collapse_windows = 0
         self._validate_setup()
-        if not self.is_moco and args.world_size > 1 and not model.config.gather_distributed:
+        in_batch = self.is_mocov3 or isinstance(model, SimCLRModel)
+        if in_batch and args.world_size > 1 and not model.config.gather_distributed:
             as_gathered = copy.copy(model.config)
             as_gathered.gather_distributed = True
             gathered = negatives_per_anchor(as_gathered, args.per_device_train_batch_size, args.world_size)
@@ -181,7 +192,7 @@ class ContrastiveTrainer(Trainer):
                 f"gather_distributed=False on {args.world_size} processes: each anchor sees only its own device's "
                 f"{self.negatives_per_anchor()} negatives, not the {gathered} of the global batch."
             )
-        if not self.is_moco and args.gradient_accumulation_steps > 1:
+        if isinstance(model, SimCLRModel) and args.gradient_accumulation_steps > 1:
             logger.warning(
                 f"gradient_accumulation_steps={args.gradient_accumulation_steps} does not add negatives: "
                 "the NT-Xent loss is computed inside each micro-batch, so each anchor still has "
@@ -208,6 +219,11 @@ class ContrastiveTrainer(Trainer):
                     f"at least 2 images (split-BN on one process): use a batch that is a multiple of {splits} and at "
                     f"least {2 * splits}, or key_bn_splits=1."
                 )
+        elif self.is_mocov3 and self.negatives_per_anchor() < 1:
+            raise ValueError(
+                f"per_device_train_batch_size={a.per_device_train_batch_size} gives MoCo v3 no negatives "
+                f"(N * world size - 1 = {self.negatives_per_anchor()}): use a batch of at least 2 images."
+            )
         elif self.negatives_per_anchor() < 1:
             raise ValueError(
                 f"per_device_train_batch_size={a.per_device_train_batch_size} gives SimCLR no negatives "
@@ -384,7 +400,7 @@ class ContrastiveTrainer(Trainer):
         chunk (inside Trainer's own ``no_sync`` for the other micro-batches of an accumulation window).
         """
         chunk_size = getattr(self.accelerator.unwrap_model(model).config, "grad_cache_chunk_size", None)
-        if self.is_moco or chunk_size is None:
+        if self.is_moco or self.is_mocov3 or chunk_size is None:
             return super().training_step(model, inputs, num_items_in_batch)
         if self.args.n_gpu > 1:
             raise ValueError(f"grad_cache_chunk_size={chunk_size} needs one device per process (torchrun or "
@@ -527,19 +543,22 @@ class ContrastiveTrainer(Trainer):
                 if self.momentum_callback.last_momentum is not None:
                     logs["momentum"] = self.momentum_callback.last_momentum
                 logs["queue_fill"] = int(model.queue_filled) / model.config.queue_size
+            if self.is_mocov3 and self.momentum_callback.last_momentum is not None:
+                logs["momentum"] = self.momentum_callback.last_momentum
             if self.args.collapse_warning:
-                self._check_collapse(logs, model.config.projection_dim)
+                self._check_collapse(logs, model.config.projection_dim, getattr(model, "loss_scale", 1.0))
         super().log(logs, start_time)
 
-    def _check_collapse(self, logs: dict[str, float], dim: int) -> None:
-        """Warn when the loss is pinned at the no-signal value ln(K + 1) or the embeddings collapsed."""
-        no_signal = math.log(logs["num_negatives"] + 1)
+    def _check_collapse(self, logs: dict[str, float], dim: int, loss_scale: float = 1.0) -> None:
+        """Warn when the loss is pinned at the no-signal value ln(K + 1) (times MoCo v3's ``4T`` loss
+        scale) or the embeddings collapsed."""
+        no_signal = math.log(logs["num_negatives"] + 1) * loss_scale
         pinned = abs(logs["loss"] - no_signal) < 0.02 * no_signal and logs["num_negatives"] > 0
         collapsed = logs["embedding_std"] < 0.2 / math.sqrt(dim)
         self._collapse_windows = self._collapse_windows + 1 if (pinned or collapsed) else 0
         if self._collapse_windows == 3:  # three logging windows in a row: not a start-up transient
             what = (
-                f"the loss {logs['loss']:.3f} sits at ln(K+1) = {no_signal:.3f}, the value of a model that cannot tell "
+                f"the loss {logs['loss']:.3f} sits at {'' if loss_scale == 1 else f'{loss_scale:g}·'}ln(K+1) = {no_signal:.3f}, the value of a model that cannot tell "
                 "its positive from the negatives" if pinned else
                 f"the normalised embeddings collapsed onto one direction (per-dimension std "
                 f"{logs['embedding_std']:.4f}, healthy is about {1 / math.sqrt(dim):.3f})"

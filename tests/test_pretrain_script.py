@@ -45,3 +45,45 @@ def test_pretrain_runs_and_reports(pretrain, tmp_path, capsys):
 def test_pretrain_rejects_unknown_method(pretrain, tmp_path):
     with pytest.raises(ValueError, match="method='byol' is invalid"):
         pretrain.main(["--method", "byol", "--output_dir", str(tmp_path), "--max_train_samples", "64"])
+
+
+def test_mocov3_lars_recipe_for_resnets(pretrain):
+    """--lars on a ResNet: MoCo v3's LARS with lr 0.6 x global batch / 256, wd 1e-6, warmup 10/100,
+    except where a flag was given."""
+    model_args = pretrain.ModelArguments(method="mocov3", backbone="test_resnet", lars=True)
+    training = pretrain.ContrastiveTrainingArguments(output_dir="unused", per_device_train_batch_size=64,
+                                                     gradient_accumulation_steps=2, weight_decay=0.5, use_cpu=True)
+    optimizer, recipe = pretrain.apply_mocov3_defaults(model_args, training, ["--weight_decay", "0.5"])
+    assert recipe == "lars" and optimizer[0] is pretrain.LARS
+    assert training.learning_rate == pytest.approx(0.6 * 128 / 256) == optimizer[1]["lr"]
+    assert training.weight_decay == 0.5 and training.warmup_steps == pytest.approx(0.1)  # the given flag wins
+    no_lars = pretrain.ModelArguments(method="mocov3", backbone="test_resnet")
+    assert pretrain.apply_mocov3_defaults(no_lars, training, []) == (None, None)  # the script's SGD stays
+
+
+def test_pretrain_mocov3_vit_runs_with_the_official_recipe(pretrain, tmp_path, monkeypatch):
+    seen = {}
+    original = pretrain.ContrastiveTrainer.create_optimizer
+
+    def spy(self, *a, **kw):
+        opt = original(self, *a, **kw)
+        seen.update(cls=type(opt).__name__, lr=self.args.learning_rate, wd=self.args.weight_decay,
+                    warmup=self.args.warmup_steps, model=self.model)
+        return opt
+
+    monkeypatch.setattr(pretrain.ContrastiveTrainer, "create_optimizer", spy)
+    results = pretrain.main([
+        "--method", "mocov3", "--backbone", "test_vit", "--projection_hidden_dim", "32",
+        "--predictor_hidden_dim", "32", "--max_train_samples", "64", "--num_train_epochs", "1",
+        "--per_device_train_batch_size", "32", "--output_dir", str(tmp_path), "--save_strategy", "no",
+        "--knn_k", "20", "--disable_tqdm", "True", "--dataloader_num_workers", "0", "--knn_every_n_steps", "0",
+        "--logging_steps", "1",
+    ])
+    assert seen["cls"] == "AdamW" and seen["lr"] == pytest.approx(1.5e-4 * 32 / 256)
+    assert seen["wd"] == 0.1 and seen["warmup"] == pytest.approx(40 / 300)
+    config = seen["model"].config
+    assert config.freeze_patch_embed and config.predictor_output_batch_norm and config.backbone_kwargs["img_size"] == 32
+    assert config.momentum_schedule == "cosine"
+    assert results["no_signal_loss"] == pytest.approx(math.log(32) * 4 * config.temperature)
+    card = (tmp_path / "encoder" / "README.md").read_text()
+    assert "# MoCo v3" in card and "N*W - 1 negatives" in card

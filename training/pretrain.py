@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""Contrastive pretraining of a timm encoder with MoCo or SimCLR.
+"""Contrastive pretraining of a timm encoder with MoCo, MoCo v3 or SimCLR.
 
 With no arguments it pretrains MoCo on the embedded 5,000 MNIST digits (about 10 minutes on two
 CPU cores) and prints the kNN top-1 of the pretrained encoder next to random init and raw pixels.
 
     python training/pretrain.py                                   # the default job
     python training/pretrain.py --method simclr                   # SimCLR instead
+    python training/pretrain.py --method mocov3 --lars            # MoCo v3, resnet18, LARS
+    python training/pretrain.py --method mocov3 --backbone vit_small_patch16_224 --backbone_kwargs '{"patch_size": 4}'
     python training/pretrain.py --dataset_name cifar10 --image_size 32
     python training/pretrain.py --train_dir path/to/images        # a local image folder
     python training/pretrain.py --dataset_name webdataset --data_files "shards/*.tar" --streaming --max_steps N
@@ -16,6 +18,20 @@ The trained encoder is exported to ``OUTPUT_DIR/encoder`` in timm's format with 
 ``--push_to_hub`` uploads that export (not the full checkpoint) to the repo root.
 
 Every field of the three dataclasses below is a command-line flag (``--help`` lists them).
+
+``--method mocov3`` (facebookresearch/moco-v3): in-batch keys of the momentum encoder gathered over
+processes (N*W - 1 negatives), a predictor, the loss ``ctr(q1, k2) + ctr(q2, k1)`` scaled by 2T,
+momentum 0.99 on a cosine schedule to 1 (``--momentum_schedule`` defaults to cosine for it). The
+head follows ``MoCoV3Config.for_backbone`` (a ViT gets a predictor output BatchNorm and a frozen
+patch projection); ``--projection_layers 3`` gives the official ViT projector. Optimizer defaults
+for it, each applied only where the flag is not given on the command line:
+
+* ViT-style backbones (a patch embedding): AdamW, lr 1.5e-4 x global batch / 256, weight decay 0.1,
+  warmup 40/300 of training, cosine decay (the official ViT recipe); ``img_size`` follows
+  ``--image_size``.
+* other backbones with ``--lars``: LARS (``hf_contrast.optim.LARS``, MoCo v3's), lr 0.6 x global
+  batch / 256, weight decay 1e-6, warmup 10/100 of training, cosine (the official ResNet-50 recipe).
+  Without ``--lars`` they keep this script's SGD defaults.
 """
 
 from __future__ import annotations
@@ -39,6 +55,8 @@ from hf_contrast import (
     KNNMonitor,
     MoCoConfig,
     MoCoModel,
+    MoCoV3Config,
+    MoCoV3Model,
     SimCLRConfig,
     SimCLRModel,
     TwoViewAugmentation,
@@ -46,6 +64,7 @@ from hf_contrast import (
     knn_accuracy,
     push_encoder_to_hub,
 )
+from hf_contrast.configuration import is_patch_backbone
 from hf_contrast.data import (
     DIGITS_MEAN,
     DIGITS_STD,
@@ -56,12 +75,13 @@ from hf_contrast.data import (
 )
 from hf_contrast.evaluation import recalibrate_batch_norm
 from hf_contrast.hub import check_can_push
+from hf_contrast.optim import LARS
 from hf_contrast.shards import read_shard_sizes, resolve_shards
 from hf_contrast.streaming import StreamingTwoViewDataset
 
 logger = logging.getLogger("pretrain")
 
-METHODS = ("moco", "simclr")
+METHODS = ("moco", "simclr", "mocov3")
 
 
 @dataclass
@@ -83,7 +103,8 @@ class ModelArguments:
     queue_size: int = field(
         default=2048, metadata={"help": "MoCo queue length; keep it below the dataset size (4,000 digits)."})
     momentum: float = field(default=0.99, metadata={"help": "MoCo EMA momentum (0.99: CIFAR-scale runs)."})
-    momentum_schedule: str = field(default="constant", metadata={"help": "constant or cosine (to 1.0)."})
+    momentum_schedule: str | None = field(
+        default=None, metadata={"help": "constant or cosine (to 1.0); default constant for moco, cosine for mocov3."})
     key_bn_splits: int = field(
         default=1, metadata={"help": "MoCo on one process: key sub-batches for BatchNorm (4 scored 0.75 vs 0.82 here)."})
     symmetric_loss: bool = field(
@@ -94,6 +115,8 @@ class ModelArguments:
         default=None, metadata={"help": "False-negative cancellation: eliminate or attract (default: off)."})
     false_negative_top_k: int = field(default=10, metadata={"help": "Candidates cancellation takes per anchor."})
     tau_plus: float = field(default=0.0, metadata={"help": "Debiased contrastive loss class prior (0: InfoNCE)."})
+    predictor_hidden_dim: int = field(default=512, metadata={"help": "MoCo v3: predictor hidden width (official 4096)."})
+    lars: bool = field(default=False, metadata={"help": "MoCo v3 on a non-ViT backbone: LARS with the official defaults."})
 
 
 @dataclass
@@ -191,14 +214,46 @@ def load_stream(data: DataArguments):
     pool = datasets.Dataset.from_list(list(stream.take(data.knn_samples)), features=stream.features)
     parts = pool.train_test_split(test_size=data.test_split_size, seed=0)
     return stream, sizes, parts["train"], parts["test"], name
+MOCOV3_VIT_TRAINING = dict(optim="adamw_torch", optim_args=None, weight_decay=0.1, warmup_steps=40 / 300)
+MOCOV3_LARS_TRAINING = dict(weight_decay=1e-6, warmup_steps=10 / 100)
+MOCOV3_BASE_LR = {"vit": 1.5e-4, "lars": 0.6}  # x global batch / 256, as main_moco.py
+
+
+def explicit_flags(argv: list[str] | None) -> set[str]:
+    """Names of the flags given on the command line (``--name value`` or ``--name=value``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
+def apply_mocov3_defaults(model_args: ModelArguments, training_args, argv: list[str] | None):
+    """The official MoCo v3 optimizer recipe, for the flags not given; returns ``(optimizer_cls_and_kwargs, recipe)``
+    (``(None, None)`` when the script's SGD defaults stay)."""
+    vit = is_patch_backbone(model_args.backbone, json.loads(model_args.backbone_kwargs))
+    if not vit and not model_args.lars:
+        return None, None
+    recipe = "vit" if vit else "lars"
+    given = explicit_flags(argv)
+    for name, value in (MOCOV3_VIT_TRAINING if vit else MOCOV3_LARS_TRAINING).items():
+        if name not in given:
+            setattr(training_args, name, value)
+    if "learning_rate" not in given:
+        global_batch = (training_args.per_device_train_batch_size * training_args.world_size
+                        * training_args.gradient_accumulation_steps)
+        training_args.learning_rate = MOCOV3_BASE_LR[recipe] * global_batch / 256
+    if vit:
+        return None, recipe
+    return (LARS, {"lr": training_args.learning_rate, "momentum": 0.9}), recipe
 
 
 def build_model(args: ModelArguments, image_size: int):
     if args.method not in METHODS:
         raise ValueError(f"method={args.method!r} is invalid: it must be one of {METHODS}")
+    backbone_kwargs = json.loads(args.backbone_kwargs)
+    if "img_size" not in backbone_kwargs and is_patch_backbone(args.backbone, backbone_kwargs):
+        backbone_kwargs["img_size"] = image_size  # vit_small_patch16_224 at --image_size: position embeddings fit
     common = dict(
         backbone=args.backbone,
-        backbone_kwargs=json.loads(args.backbone_kwargs),
+        backbone_kwargs=backbone_kwargs,
         projection_hidden_dim=args.projection_hidden_dim,
         projection_dim=args.projection_dim,
         projection_layers=args.projection_layers,
@@ -212,9 +267,13 @@ def build_model(args: ModelArguments, image_size: int):
     )
     if args.method == "moco":
         config = MoCoConfig(queue_size=args.queue_size, momentum=args.momentum, key_bn_splits=args.key_bn_splits,
-                            momentum_schedule=args.momentum_schedule, symmetric_loss=args.symmetric_loss,
+                            momentum_schedule=args.momentum_schedule or "constant", symmetric_loss=args.symmetric_loss,
                             exclude_same_instance=args.exclude_same_instance, **common)
         return MoCoModel(config)
+    if args.method == "mocov3":  # the official head for the backbone's family (ViT: predictor BN, frozen patches)
+        return MoCoV3Model(MoCoV3Config.for_backbone(
+            common.pop("backbone"), **common, predictor_hidden_dim=args.predictor_hidden_dim,
+            momentum=args.momentum, momentum_schedule=args.momentum_schedule or "cosine"))
     return SimCLRModel(SimCLRConfig(**common))
 
 
@@ -254,17 +313,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                                 shuffle_buffer=data_args.shuffle_buffer, shard_sizes=sizes)
     else:
         train_dataset = two_view_dataset(train, augmentation, data_args.image_column, seed=training_args.seed)
+    optimizer, recipe = (None, None)
+    if model_args.method == "mocov3":
+        optimizer, recipe = apply_mocov3_defaults(model_args, training_args, argv)
     if training_args.process_index == 0:
         size = f"{sum(train_dataset.shard_sizes)} streamed" if data_args.streaming else len(train)
         logger.info(f"Pretraining {type(model).__name__} ({model.config.backbone}) on {name}: "
-                    f"{size} training images, augmentation {augmentation}")
+                    f"{size} training images, augmentation {augmentation}"
+                    + (f"; MoCo v3 {recipe} recipe: lr {training_args.learning_rate:g}, weight decay "
+                       f"{training_args.weight_decay:g}" if recipe else ""))
 
     evaluating = training_args.eval_strategy != "no"
     if evaluating and test is None:
         raise ValueError(f"eval_strategy={training_args.eval_strategy.value!r} needs a held-out split: pass a dataset "
                          "with a test split or --test_split_size > 0, or --eval_strategy no")
     trainer = ContrastiveTrainer(
-        model=model, args=training_args, train_dataset=train_dataset,
+        model=model, args=training_args, optimizer_cls_and_kwargs=optimizer, train_dataset=train_dataset,
         # held-out pairs for eval_loss and the eval_ contrastive metrics (a fixed set of views)
         eval_dataset=two_view_dataset(test, augmentation, data_args.image_column, seed=training_args.seed + 1)
         if evaluating else None,
@@ -283,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     history = [h for h in trainer.state.log_history if "loss" in h]
     if history:
         results["final_loss"] = history[-1]["loss"]
-        results["no_signal_loss"] = math.log(history[-1]["num_negatives"] + 1)
+        results["no_signal_loss"] = math.log(history[-1]["num_negatives"] + 1) * getattr(model, "loss_scale", 1.0)
     if evaluating:  # the held-out pairs at the end, next to the curve logged every eval_steps
         final_eval = trainer.evaluate()
         results.update({k: final_eval[k] for k in ("eval_loss", "eval_contrastive_top1") if k in final_eval})
@@ -328,7 +392,7 @@ def print_report(results: dict[str, float], final_dir: str, model) -> None:
         ("kNN top-1, same architecture at random init (BN recalibrated)", results.get("knn_random_init")),
         ("kNN top-1, raw pixels", results.get("knn_raw_pixels")),
         ("final training loss", results.get("final_loss")),
-        ("ln(K+1): the loss of a model with no signal", results.get("no_signal_loss")),
+        ("ln(K+1) (MoCo v3: x 4T): the loss of a model with no signal", results.get("no_signal_loss")),
     ]
     width = max(len(r[0]) for r in rows)
     print("\n" + "=" * (width + 12))
