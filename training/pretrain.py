@@ -392,7 +392,8 @@ def print_report(results: dict[str, float], final_dir: str, model) -> None:
         ("kNN top-1, same architecture at random init (BN recalibrated)", results.get("knn_random_init")),
         ("kNN top-1, raw pixels", results.get("knn_raw_pixels")),
         ("final training loss", results.get("final_loss")),
-        ("ln(K+1) (MoCo v3: x 4T): the loss of a model with no signal", results.get("no_signal_loss")),
+        ("ln(K+1) x 4T: the loss of a model with no signal" if getattr(model, "loss_scale", 1.0) != 1.0
+         else "ln(K+1): the loss of a model with no signal", results.get("no_signal_loss")),
     ]
     width = max(len(r[0]) for r in rows)
     print("\n" + "=" * (width + 12))
