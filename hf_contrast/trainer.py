@@ -275,8 +275,12 @@ class ContrastiveTrainer(Trainer):
     def _prepare_inputs(self, inputs):
         """Trainer's device placement; then, for a device-augmentation batch (``images``, ``view_seed``),
         the two views made on the model's device."""
+        device_views = "images" in inputs and isinstance(self.train_dataset, StreamingTwoViewDataset)
+        if device_views and isinstance(inputs.get("view_seed"), torch.Tensor):
+            # read the seed while it is still on the host: after the move an int() would be a device sync
+            inputs = {**inputs, "view_seed": int(inputs["view_seed"])}
         inputs = super()._prepare_inputs(inputs)
-        if "images" in inputs and isinstance(self.train_dataset, StreamingTwoViewDataset):
+        if device_views:
             inputs = DeviceAugmentation(self.train_dataset.augmentation).inputs(inputs)
         return inputs
 

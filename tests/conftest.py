@@ -18,3 +18,17 @@ def digits():
     from hf_contrast import load_default_dataset
 
     return load_default_dataset()
+
+
+@pytest.fixture(scope="session")
+def pretrain():
+    """``training/pretrain.py`` imported as the module ``pretrain`` (its ``main(argv)`` runs the script)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("pretrain", Path(__file__).parents[1] / "training" / "pretrain.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["pretrain"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -1,23 +1,9 @@
 """training/pretrain.py end to end on the embedded digits, shrunk to seconds with a tiny backbone."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).parents[1] / "training" / "pretrain.py"
-
-
-@pytest.fixture(scope="module")
-def pretrain():
-    spec = importlib.util.spec_from_file_location("pretrain", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pretrain"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_pretrain_runs_and_reports(pretrain, tmp_path, capsys):

@@ -1,24 +1,8 @@
 """training/pretrain.py on webdataset shards written from the digits, streamed, with the kNN report."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-import pytest
 
 from hf_contrast import write_shards
-
-SCRIPT = Path(__file__).parents[1] / "training" / "pretrain.py"
-
-
-@pytest.fixture(scope="module")
-def pretrain():
-    spec = importlib.util.spec_from_file_location("pretrain", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pretrain"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_pretrain_streams_webdataset_shards(pretrain, digits, tmp_path, capsys):
