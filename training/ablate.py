@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
+from false_negative_report import write_report as write_false_negative_report
 from transformers import HfArgumentParser, set_seed
 
 import hf_contrast
@@ -80,10 +81,15 @@ class AblationArguments:
     false_negatives: str | None = field(default=None, metadata={
         "help": "False-negative cancellation: eliminate or attract (default: off)."})
     false_negative_top_k: int = field(default=10, metadata={"help": "Candidates cancellation takes per anchor."})
+    false_negative_report: bool = field(default=False, metadata={
+        "help": "Write the false-negative report (always on with a false-negative option; turn it on for the "
+                "no-masking runs of that sweep)."})
 
 
 def run_name(momentum: float, queue_size: int, a: AblationArguments | None = None) -> str:
     suffix = "" if a is None else "".join(f"_{k}" for k in false_negative_settings(a).values() if isinstance(k, str))
+    if a is not None and a.seed != 0:  # seeds share one runs/ directory (seed 0 keeps the committed names)
+        suffix += f"_seed{a.seed}"
     return f"m{momentum:g}_q{queue_size}{suffix}"
 
 
@@ -233,42 +239,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(path, "w") as f:
             json.dump(r, f, indent=1)
         results.append(r)
-    if false_negative_settings(a):
-        write_false_negative_report(a.output_dir, command)
+    if false_negative_settings(a) or a.false_negative_report:
+        write_false_negative_report(a.output_dir, command)  # training/false_negative_report.py
     else:
         write_report(a, results, base, command, len(data["train"]))
     return results
-
-
-def write_false_negative_report(output_dir: str, command: str) -> None:
-    """``README.md`` of a false-negative sweep: one row per run JSON in ``runs/``, commands appended."""
-    rows = []
-    for path in sorted(glob.glob(os.path.join(output_dir, "runs", "m*.json"))):
-        with open(path) as f:
-            r = json.load(f)
-        s, fn = r["settings"], r.get("false_negatives") or {}
-        variant = ", ".join(filter(None, [
-            "exclude same instance" if s.get("exclude_same_instance") else "no masking",
-            s.get("false_negatives") and f"{s['false_negatives']} top {s['false_negative_top_k']}"]))
-        rows.append(f"| {s['queue_size']} | {variant} | {s['seed']} | {_fmt(r['knn_top1'])} | "
-                    f"{r.get('num_negatives', 'n/a')} | {_fmt(fn.get('queue_same_class'))} | "
-                    f"{_fmt(fn.get('fnc_precision'))} | {_fmt(r['final_loss'])} | {r['runtime_s'] / 60:.1f} |")
-    commands_path = os.path.join(output_dir, "commands.txt")
-    with open(commands_path, "a") as f:
-        f.write(command + "\n")
-    with open(commands_path) as f:
-        commands = f.read().strip()
-    lines = ["# False negatives at a large queue on the embedded digits", "",
-             "Produced by (from the repository root), in order:", "", "```", commands, "```", "",
-             "Recipe as in `results/ablation` (MoCo, resnet18 at 32 px, momentum 0.99, 5 epochs = 155 steps, seed 0). "
-             "`num_negatives`: the mean per anchor after masking, last training log. Same class / FNC precision: "
-             "FalseNegativeMonitor on 256 held-out digits at the end (share of queued keys of the query's class; "
-             "same-class share of the top-10 candidates cancellation takes). A run without false-negative options "
-             "(the `no masking` row) is the committed `results/ablation` run, its JSON copied into `runs/`.", "",
-             "| queue size | variant | seed | kNN top-1 | num_negatives | queue same class | FNC precision "
-             "| final loss | minutes |", "|---|---|---|---|---|---|---|---|---|", *rows, ""]
-    with open(os.path.join(output_dir, "README.md"), "w") as f:
-        f.write("\n".join(lines))
 
 
 # ---------------------------------------------------------------------------------------------------
