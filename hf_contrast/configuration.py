@@ -228,6 +228,8 @@ class MoCoV3Config(ContrastiveConfig):
 
     Each query has 1 positive and ``N * W - 1`` negatives (``N`` images per device, ``W`` processes):
     the momentum encoder's keys of the other images of the global batch, gathered without gradient.
+    ``false_negatives`` and ``tau_plus`` (inherited) act on these in-batch keys, per half of the
+    symmetric loss.
 
     Args:
         predictor_hidden_dim: width of the predictor's hidden layers (4096).
@@ -271,11 +273,6 @@ class MoCoV3Config(ContrastiveConfig):
         _check(lambda: 0.0 <= self.momentum <= 1.0, "momentum", self.momentum, "in [0, 1] (0.99 in MoCo v3)")
         _check(self.momentum_schedule in MOMENTUM_SCHEDULES, "momentum_schedule", self.momentum_schedule,
                f"one of {MOMENTUM_SCHEDULES}")
-        # not built for MoCo v3's in-batch keys yet: refuse rather than silently ignore
-        _check(self.false_negatives is None, "false_negatives", self.false_negatives,
-               "None for MoCo v3 (false-negative cancellation is implemented for MoCo and SimCLR)")
-        _check(self.tau_plus == 0.0, "tau_plus", self.tau_plus,
-               "0 for MoCo v3 (the debiased loss is implemented for MoCo and SimCLR)")
 
     @classmethod
     def for_backbone(cls, backbone: str, **kwargs) -> MoCoV3Config:

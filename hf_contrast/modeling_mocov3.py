@@ -10,7 +10,8 @@ from torch import nn
 from . import distributed
 from .backbone import ProjectionHead, build_encoder_and_head
 from .configuration import MoCoV3Config
-from .losses import mocov3_logits
+from .false_negatives import cancel_negatives, support_scores
+from .losses import contrastive_loss, mocov3_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .momentum import ema_update_
 
@@ -119,24 +120,47 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         Returns:
             :class:`ContrastiveOutput` with logits ``(2N, M)`` (queries of view 1, then of view 2, against
             the gathered keys of the other view), labels ``(2N,)``, the queries as ``embeddings`` and
-            ``num_negatives = M - 1`` (``M = N * W`` gathered, else ``N``).
+            ``num_negatives = M - 1`` (``M = N * W`` gathered, else ``N``). With ``false_negatives``
+            the cancelled logits are ``-inf`` (eliminate), ``num_negatives`` is the mean per query
+            after cancellation, and ``negative_counts`` / ``false_negatives_removed`` are ``(2N,)``.
         """
         if pixel_values_2 is None:
             raise ValueError("MoCoV3Model.forward needs two views: pass pixel_values and pixel_values_2")
         q1, q2 = self._query(pixel_values), self._query(pixel_values_2)  # (N, D) each, two batches as official
         k1, k2 = self.encode_keys(pixel_values), self.encode_keys(pixel_values_2)  # (N, D) each
+        k1_local, k2_local = k1, k2
         gather = self.config.gather_distributed and distributed.is_distributed()
         if gather:
             k1, k2 = distributed.gather_no_grad(k1), distributed.gather_no_grad(k2)  # (N * W, D) in rank order
         rank = distributed.rank() if gather else 0
-        t = self.config.temperature
-        logits_1, labels_1 = mocov3_logits(q1, k2, t, rank)  # (N, M), (N,)
-        logits_2, labels_2 = mocov3_logits(q2, k1, t, rank)
+        halves = [self._contrast(q1, k2_local, k2, rank), self._contrast(q2, k1_local, k1, rank)]
         loss = None
-        if return_loss:
-            ce = nn.functional.cross_entropy
-            loss = ce(logits_1, labels_1) * (2 * t) + ce(logits_2, labels_2) * (2 * t)
+        if return_loss:  # ctr(q1, k2) + ctr(q2, k1), each times 2T as the official code
+            t = self.config.temperature
+            loss = sum(contrastive_loss(logits, labels, t, self.config.tau_plus, positive_mask) * (2 * t)
+                       for logits, labels, positive_mask, *_ in halves)
+        logits, labels = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])  # (2N, M), (2N,)
+        counts = kept = removed = None
+        if self.config.false_negatives is not None:
+            counts, kept, removed = (torch.cat([h[i] for h in halves]) for i in (3, 4, 5))  # (2N,) each
         return ContrastiveOutput(
-            loss=loss, logits=torch.cat([logits_1, logits_2]), labels=torch.cat([labels_1, labels_2]),
-            embeddings=torch.cat([q1, q2]), num_negatives=k1.shape[0] - 1,
+            loss=loss, logits=logits, labels=labels, embeddings=torch.cat([q1, q2]),
+            num_negatives=k1.shape[0] - 1 if counts is None else counts.float().mean(),
+            negative_counts=kept, false_negatives_removed=removed,
         )
+
+    def _contrast(self, q, k_own, keys, rank):
+        """``ctr(q, k)``'s logits ``(N, M)`` and labels ``(N,)`` of local queries ``q (N, D)`` against
+        the gathered keys ``(M, D)`` of the other view, with false-negative cancellation when the
+        config asks for it. The support set of a query is the query and its own key ``k_own (N, D)``,
+        as in MoCo (see :mod:`hf_contrast.false_negatives`). Returns ``(logits, labels,
+        positive_mask, negatives, kept, removed)``; the last four are None without cancellation."""
+        logits, labels = mocov3_logits(q, keys, self.config.temperature, rank)  # (N, M), (N,)
+        if self.config.false_negatives is None:
+            return logits, labels, None, None, None, None
+        excluded = torch.zeros_like(logits, dtype=torch.bool)  # (N, M)
+        excluded[torch.arange(logits.shape[0], device=logits.device), labels] = True  # the positive
+        scores = support_scores(torch.stack([q, k_own], dim=1), keys)  # (N, M)
+        logits, positive_mask, negatives, kept, removed = cancel_negatives(logits, labels, excluded, scores,
+                                                                           self.config)
+        return logits, labels, positive_mask, negatives, kept, removed

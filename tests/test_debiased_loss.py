@@ -9,9 +9,12 @@ import torch.nn.functional as F
 
 from hf_contrast import (
     MoCoConfig,
+    MoCoV3Config,
+    MoCoV3Model,
     SimCLRConfig,
     debiased_contrastive_loss,
     info_nce_logits,
+    mocov3_logits,
     multi_positive_info_nce,
 )
 
@@ -61,6 +64,21 @@ def test_dcl_at_tau_plus_zero_is_infonce_for_cosine_logits_and_not_below_minus_o
     low = torch.tensor([[-5.0, -30.0, -40.0]])
     assert debiased_contrastive_loss(low, torch.zeros(1, dtype=torch.long), 0.1, 0.0).item() > F.cross_entropy(
         low, torch.zeros(1, dtype=torch.long)).item() + 1e-4
+
+
+def test_mocov3_debiased_loss_is_the_formula_on_each_half_times_2t():
+    torch.manual_seed(0)
+    t, tau = 0.2, 0.3
+    m = MoCoV3Model(MoCoV3Config(backbone="test_resnet", tau_plus=tau, temperature=t, projection_hidden_dim=32,
+                                 projection_dim=16, predictor_hidden_dim=24, image_size=32)).eval()
+    g = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(6, 3, 32, 32, generator=g), torch.randn(6, 3, 32, 32, generator=g)
+    loss = m(x1, x2).loss.item()
+    with torch.no_grad():
+        halves = [mocov3_logits(m.predictor(m.projector(m.encoder(a))), m.encode_keys(b), t) for a, b in ((x1, x2), (x2, x1))]
+    want = sum(naive_dcl(lg.double(), lb, t, tau) * 2 * t for lg, lb in halves)
+    assert loss == pytest.approx(want, rel=1e-5)
+    assert loss != pytest.approx(sum(F.cross_entropy(lg, lb).item() * 2 * t for lg, lb in halves), rel=1e-3)
 
 
 def test_multi_positive_info_nce_matches_a_loop():

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY
 
-from hf_contrast import MoCoConfig, MoCoModel, SimCLRConfig, SimCLRModel
+from hf_contrast import MoCoConfig, MoCoModel, MoCoV3Config, MoCoV3Model, SimCLRConfig, SimCLRModel
 
 
 def cos(a, b):
@@ -79,6 +79,35 @@ def test_simclr_cancellation_matches_the_loop(mode):
         want.append(reference(z[i], [z[img], z[img + n]], z[(i + n) % (2 * n)], cands, 2, mode, 0.1)[0])
     assert out.loss.item() == pytest.approx(sum(want) / (2 * n), rel=1e-5)
     assert float(out.num_negatives) == 2 * n - 2 - 2
+
+
+@pytest.mark.parametrize("mode", ["eliminate", "attract"])
+def test_mocov3_cancellation_matches_the_loop(mode):
+    """MoCo v3: per half ctr(q, k) times 2T; a query's candidates are the other images' keys of the
+    other view, its support set the query and its own key."""
+    torch.manual_seed(0)
+    t = 0.2
+    m = MoCoV3Model(MoCoV3Config(backbone="test_resnet", false_negatives=mode, false_negative_top_k=2,
+                                 temperature=t, projection_hidden_dim=32, projection_dim=16,
+                                 predictor_hidden_dim=24, image_size=32)).eval()
+    g = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(5, 3, 32, 32, generator=g), torch.randn(5, 3, 32, 32, generator=g)
+    out = m(x1, x2)
+    with torch.no_grad():
+        q1, q2 = m.predictor(m.projector(m.encoder(x1))), m.predictor(m.projector(m.encoder(x2)))
+        k1, k2 = m.encode_keys(x1), m.encode_keys(x2)
+    want = 0.0
+    for q, k in ((q1, k2), (q2, k1)):
+        losses = [reference(q[i], [q[i], k[i]], k[i], [k[j] for j in range(5) if j != i], 2, mode, t)[0]
+                  for i in range(5)]
+        want += sum(losses) / 5 * 2 * t
+    assert out.loss.item() == pytest.approx(want, rel=1e-5)
+    assert float(out.num_negatives) == 5 - 1 - 2
+    assert out.false_negatives_removed.tolist() == [2] * 10 and out.negative_counts.shape == (10,)
+    plain = MoCoV3Model(MoCoV3Config(backbone="test_resnet", temperature=t, projection_hidden_dim=32,
+                                     projection_dim=16, predictor_hidden_dim=24, image_size=32)).eval()
+    plain.load_state_dict(m.state_dict())
+    assert plain(x1, x2).loss.item() != pytest.approx(out.loss.item(), rel=1e-3)
 
 
 def test_threshold_limits_the_top_k():

@@ -39,3 +39,12 @@ def test_per_device_negatives_are_visible_when_gathering_is_off(runs):
     assert abs(two["loss"].item() - one["loss"].item()) > 1e-3  # a different loss
     grads = [k for k in one if k.startswith("grad.")]
     assert any(not torch.allclose(two[k], one[k], rtol=1e-3, atol=1e-6) for k in grads)
+
+
+def test_false_negative_cancellation_over_gathered_keys_equals_one_process(runs):
+    two, one = runs("mocov3_attract")  # candidates are the gathered keys of both ranks
+    assert two["loss"].item() == pytest.approx(one["loss"].item(), rel=1e-5)
+    assert float(two["num_negatives"]) == float(one["num_negatives"]) == N_GLOBAL - 1 - 2  # top 2 taken
+    assert_grads_match(two, one)
+    plain, _ = runs("mocov3")
+    assert abs(two["loss"].item() - plain["loss"].item()) > 1e-4  # attraction changed the loss

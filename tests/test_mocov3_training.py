@@ -170,3 +170,13 @@ def test_export_loads_without_hf_contrast_and_card_states_the_negatives(digits, 
     assert "N = 16 images per device and W = 1 process(es)" in card
     assert "| negatives per anchor | 15 |" in card and "| queue | none" in card
     assert "0.99 (cosine schedule, to 1.0 at the last step)" in card and "predictor 2-layer MLP 24-16" in card
+
+
+def test_cancellation_trains_and_logs_the_count_after_cancellation(tmp_path):
+    """In the trainer, v3 with false_negatives logs num_negatives = N - 1 - top_k (batch 8, top 3)."""
+    model = build(false_negatives="eliminate", false_negative_top_k=3)
+    trainer = ContrastiveTrainer(model=model, args=args(tmp_path, max_steps=2), train_dataset=tensor_dataset(16))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(h["num_negatives"] == 8 - 1 - 3 for h in logs)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)

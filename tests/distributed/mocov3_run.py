@@ -36,7 +36,9 @@ def main(out_dir: str) -> None:
     x1, x2 = torch.randn(N_GLOBAL, 3, 32, 32, generator=g), torch.randn(N_GLOBAL, 3, 32, 32, generator=g)
     n = N_GLOBAL // world
     x1, x2 = x1[rank * n : (rank + 1) * n], x2[rank * n : (rank + 1) * n]  # (N, 3, 32, 32) this rank's shard
-    for name, kw in {"mocov3": {}, "mocov3_per_device": {"gather_distributed": False}}.items():
+    configs = {"mocov3": {}, "mocov3_per_device": {"gather_distributed": False},
+               "mocov3_attract": {"false_negatives": "attract", "false_negative_top_k": 2}}
+    for name, kw in configs.items():
         model = build(**kw)
         ddp = DDP(model) if distributed.is_distributed() else model
         out = ddp(x1, x2)
@@ -45,7 +47,7 @@ def main(out_dir: str) -> None:
         if distributed.is_distributed():
             dist.all_reduce(loss)
             loss /= world  # mean over all queries of the global batch
-        result = {"loss": loss, "num_negatives": torch.tensor(out.num_negatives)}
+        result = {"loss": loss, "num_negatives": torch.as_tensor(out.num_negatives).float()}
         result.update({f"grad.{k}": p.grad for k, p in model.named_parameters() if p.grad is not None})
         if rank == 0:
             save_file({k: v.contiguous() for k, v in result.items()}, os.path.join(out_dir, f"{name}.safetensors"))
