@@ -55,3 +55,23 @@ def test_report_tables_and_plot(tmp_path):
     assert "median 0.040, largest 0.050, over 3 cells" in text  # spreads 0.04, 0.01, 0.05
     assert "python training/ablate.py --seed 1" in (tmp_path / "commands.txt").read_text()
     assert (tmp_path / "false_negatives.png").stat().st_size > 10_000
+
+
+def test_ablate_expands_seeds_and_variants_into_the_committed_run_names():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
+    import ablate
+    from transformers import HfArgumentParser
+
+    parse = HfArgumentParser(ablate.AblationArguments).parse_args_into_dataclasses
+    (a,) = parse(args=["--false_negative_variants", "none", "exclude", "attract", "--seeds", "0", "1"])
+    names = [ablate.run_name(0.99, 4096, c) for c in ablate.expand(a)]
+    assert names == ["m0.99_q4096", "m0.99_q4096_exclude", "m0.99_q4096_exclude_attract",
+                     "m0.99_q4096_seed1", "m0.99_q4096_exclude_seed1", "m0.99_q4096_exclude_attract_seed1"]
+    none_seed0 = ablate.expand(a)[0]
+    assert "exclude_same_instance" not in ablate.settings(none_seed0, 0.99, 4096)  # reuses the plain sweep's JSON
+    assert all(c.false_negative_report for c in ablate.expand(a))
+    (bad,) = parse(args=["--false_negative_variants", "drop"])
+    with pytest.raises(ValueError, match=r"false_negative_variants=\['drop'\] is invalid.*'eliminate'"):
+        ablate.expand(bad)

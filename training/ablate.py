@@ -10,12 +10,16 @@ the same settings is reused, so an interrupted sweep resumes.
 
     python training/ablate.py                                  # the default sweep: 7 runs, ~25 min
     python training/ablate.py --momenta 0 0.99 --queue_sizes 2048 --num_train_epochs 1   # a quick look
+    # the false-negative sweep of results/false_negatives: 4 queue sizes x 4 variants x 2 seeds, ~2.5 h
+    python training/ablate.py --momenta 0.99 --queue_sizes 256 1024 2048 4096 --seeds 0 1 \
+        --false_negative_variants none exclude eliminate attract --output_dir results/false_negatives
 
 Every field of :class:`AblationArguments` is a command-line flag (``--help`` lists them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -55,6 +59,11 @@ logger = logging.getLogger("ablate")
 PAPER_MOMENTUM = {0.0: "fails", 0.9: "55.2", 0.99: "57.8", 0.999: "59.0", 0.9999: "58.9"}
 
 
+# --false_negative_variants: name -> (exclude_same_instance, false_negatives)
+FALSE_NEGATIVE_VARIANTS = {"none": (False, None), "exclude": (True, None), "eliminate": (True, "eliminate"),
+                           "attract": (True, "attract")}
+
+
 @dataclass
 class AblationArguments:
     """The sweep: momenta at ``base_queue_size``, then queue sizes at ``base_momentum``; the rest is
@@ -81,9 +90,33 @@ class AblationArguments:
     false_negatives: str | None = field(default=None, metadata={
         "help": "False-negative cancellation: eliminate or attract (default: off)."})
     false_negative_top_k: int = field(default=10, metadata={"help": "Candidates cancellation takes per anchor."})
+    seeds: list[int] | None = field(default=None, metadata={
+        "help": "Run the whole plan once per seed (instead of --seed); run names of seeds other than 0 end in _seedN."})
+    false_negative_variants: list[str] | None = field(default=None, metadata={
+        "help": f"Run the plan once per variant, one of {FALSE_NEGATIVE_VARIANTS} each (eliminate and attract with "
+                "same-instance exclusion, top --false_negative_top_k); writes the false-negative report."})
     false_negative_report: bool = field(default=False, metadata={
         "help": "Write the false-negative report (always on with a false-negative option; turn it on for the "
                 "no-masking runs of that sweep)."})
+
+
+def expand(a: AblationArguments) -> list[AblationArguments]:
+    """One set of arguments per (seed, false-negative variant) that ``--seeds`` and
+    ``--false_negative_variants`` ask for (just ``a`` when neither is given)."""
+    variants = a.false_negative_variants or []
+    bad = [v for v in variants if v not in FALSE_NEGATIVE_VARIANTS]
+    if bad:
+        raise ValueError(f"false_negative_variants={bad!r} is invalid: each must be one of "
+                         f"{list(FALSE_NEGATIVE_VARIANTS)}")
+    out = []
+    for seed in a.seeds or [a.seed]:
+        for v in variants or [None]:
+            kw = {"seed": seed}
+            if v is not None:
+                exclude, fn = FALSE_NEGATIVE_VARIANTS[v]
+                kw.update(exclude_same_instance=exclude, false_negatives=fn, false_negative_report=True)
+            out.append(dataclasses.replace(a, **kw))
+    return out
 
 
 def run_name(momentum: float, queue_size: int, a: AblationArguments | None = None) -> str:
@@ -217,21 +250,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     command = " ".join(["python training/ablate.py", *(shlex.quote(x) for x in cli)])
     plan = [(m, a.base_queue_size) for m in a.momenta] + [(a.base_momentum, q) for q in a.queue_sizes]
     plan = list(dict.fromkeys(plan))  # the base run belongs to both sweeps: run it once
+    plan = [(c, m, q) for c in expand(a) for m, q in plan]  # (arguments, momentum, queue size)
     data = load_data(a)
     base = baselines(a, data, os.path.join(runs_dir, "baselines.json"))
     logger.info(f"kNN top-1: raw pixels {base['raw_pixels']:.4f}, random init {base['random_init']:.4f}")
     results = []
-    for i, (momentum, queue_size) in enumerate(plan):
-        path = os.path.join(runs_dir, run_name(momentum, queue_size, a) + ".json")
+    for i, (c, momentum, queue_size) in enumerate(plan):
+        path = os.path.join(runs_dir, run_name(momentum, queue_size, c) + ".json")
         if os.path.exists(path):
             with open(path) as f:
                 previous = json.load(f)
-            if previous["settings"] == settings(a, momentum, queue_size):
+            if previous["settings"] == settings(c, momentum, queue_size):
                 logger.info(f"[{i + 1}/{len(plan)}] {previous['name']}: reusing {path}")
                 results.append(previous)
                 continue
-        logger.info(f"[{i + 1}/{len(plan)}] momentum {momentum}, queue {queue_size}: training")
-        r = run_one(a, momentum, queue_size, data)
+        logger.info(f"[{i + 1}/{len(plan)}] {run_name(momentum, queue_size, c)}: training")
+        r = run_one(c, momentum, queue_size, data)
         logger.info(f"  kNN {r['knn_top1']:.4f}, consistency {r['queue_consistency']:.4f}, "
                     f"drift {r['key_drift']:.4f}, {r['runtime_s']:.0f} s ({r['step_s']:.2f} s/step), "
                     "queue monitor "
@@ -239,6 +273,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(path, "w") as f:
             json.dump(r, f, indent=1)
         results.append(r)
+    a = plan[-1][0]  # the report's kind follows the variants
     if false_negative_settings(a) or a.false_negative_report:
         write_false_negative_report(a.output_dir, command)  # training/false_negative_report.py
     else:

@@ -153,10 +153,10 @@ def plot(runs: list[dict], baselines: dict | None, path: str) -> None:
     for ax in (ax1, ax2):
         ax.set(xscale="log", xticks=sizes, xticklabels=[str(s) for s in sizes], xlabel="queue size K")
         ax.minorticks_off()
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower left")
     ax1.set(ylabel="kNN top-1 (1,000 held-out digits)", title="kNN top-1 vs queue size (dots: seeds)")
     ax2.set(ylabel="same-class share of the top-10 candidates",
-            title="FNC precision: how often a candidate is a true false negative")
+            title="FNC precision: share of the 10 keys cancellation\ntakes (or would take) that are same-class")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
