@@ -23,6 +23,8 @@ import os
 import sys
 from collections import defaultdict
 
+GRID_COMMAND = ("python training/ablate.py --momenta 0.99 --queue_sizes 256 1024 2048 4096 --seeds 0 1 "
+                "--false_negative_variants none exclude eliminate attract --output_dir results/false_negatives")
 VARIANTS = ("no masking", "exclude same instance", "exclude + eliminate", "exclude + attract")
 
 
@@ -183,8 +185,11 @@ def write_report(output_dir: str, command: str | None = None) -> str:
     steps = sorted({r["steps"] for r in runs})
     lines = [
         "# False negatives against the queue size on the embedded digits", "",
-        "Produced by (from the repository root; each line one `training/ablate.py` call, runs in `runs/`; "
-        "`python training/false_negative_report.py results/false_negatives` rebuilds this page):", "",
+        "One command reproduces the whole grid (from the repository root; it reuses every run JSON in `runs/` "
+        "with the same settings, so an interrupted sweep resumes):", "",
+        "```", GRID_COMMAND, "```", "",
+        "The committed runs were made by these calls, in order (`python training/false_negative_report.py "
+        "results/false_negatives` rebuilds this page from `runs/`):", "",
         "```", commands, "```", "",
         "Recipe as in `results/ablation`: MoCo, resnet18 at 32 px, momentum 0.99, batch 128, "
         f"{'/'.join(map(str, steps))} steps (5 epochs of the 4,000 training digits), kNN top-1 (k=200) on the "
