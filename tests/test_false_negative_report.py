@@ -60,9 +60,13 @@ def test_report_tables_and_plot(tmp_path):
 def test_ablate_expands_seeds_and_variants_into_the_committed_run_names():
     import sys
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
-    import ablate
     from transformers import HfArgumentParser
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "training"))  # ablate imports its sibling report module
+    try:
+        import ablate
+    finally:
+        sys.path.pop(0)
 
     parse = HfArgumentParser(ablate.AblationArguments).parse_args_into_dataclasses
     (a,) = parse(args=["--false_negative_variants", "none", "exclude", "attract", "--seeds", "0", "1"])
