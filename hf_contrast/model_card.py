@@ -253,17 +253,19 @@ class EncoderCardData:
                 text = (f"Each query has 1 positive (the momentum encoder's key of its other view) and **{k} "
                         "negatives**: in-batch keys of the momentum encoder, gathered over W processes: N*W - 1 "
                         + (f"+ K negatives, with K = {queue} queued keys, " if queue else "negatives, with ")
-                        + f"N = {n} images per device and W = {w} process(es). Keys are gathered without gradient; "
-                        + ("" if queue else "there is no queue."))
+                        + f"N = {n} images per device and W = {w} process(es). Keys are gathered without gradient"
+                        + ("." if queue else "; there is no queue."))
             else:
                 text = (f"Each query has 1 positive and **{k} negatives = N - 1"
                         + (" + K" if queue else "") + f"** with N = {n} images per device"
                         + (f" and K = {queue} queued keys" if queue else "") + ": the momentum encoder's keys of "
                         "its own device's batch (`gather_distributed=False`)" + (" and the queue." if queue else "."))
-                text += f" The keys on the other {w - 1} process(es) were not used." if w > 1 else ""
+                if w > 1:
+                    text += (f" The keys on the other {w - 1} process(es) were not used"
+                             + (" as in-batch negatives (they do enter the queue)." if queue else "."))
             if queue:
                 per_step = 2 * n * w
-                text += (("" if self.gather_distributed else " ") + "The queue (not in the official MoCo v3) holds "
+                text += (" The queue (not in the official MoCo v3) holds "
                          f"the keys of both views of earlier batches, {per_step} entering per micro-batch (gathered "
                          f"from {w} process(es)), so it spans the last {math.ceil(queue / per_step)} micro-batches.")
             return text
