@@ -215,7 +215,7 @@ class SimCLRConfig(ContrastiveConfig):
 @strict(accept_kwargs=True)
 class MoCoV3Config(ContrastiveConfig):
     """MoCo v3 (Chen, Xie, He 2021): a momentum encoder whose keys of the whole (gathered) batch are
-    the negatives, a predictor on the query side, no queue.
+    the negatives, a predictor on the query side, no queue (``queue_size=0``, the default).
 
     Defaults are the official ResNet-50 recipe (facebookresearch/moco-v3 ``main_moco.py`` and
     ``moco/builder.py`` ``MoCo_ResNet``): projector 2048-4096-256 (2 layers), predictor 256-4096-256
@@ -229,7 +229,8 @@ class MoCoV3Config(ContrastiveConfig):
     Each query has 1 positive and ``N * W - 1`` negatives (``N`` images per device, ``W`` processes):
     the momentum encoder's keys of the other images of the global batch, gathered without gradient.
     ``false_negatives`` and ``tau_plus`` (inherited) act on these in-batch keys, per half of the
-    symmetric loss.
+    symmetric loss. ``queue_size = K > 0`` adds MoCo v2's FIFO queue of earlier keys (a hybrid no
+    official code has): ``N * W - 1 + K`` negatives once the queue is full.
 
     Args:
         predictor_hidden_dim: width of the predictor's hidden layers (4096).
@@ -246,6 +247,12 @@ class MoCoV3Config(ContrastiveConfig):
         freeze_patch_embed: freeze the ViT patch projection (``patch_embed.proj``) at its random
             init, the paper's stability trick (+1.7 on ViT-B at 100 epochs). Needs a backbone with
             ``patch_embed.proj``.
+        queue_size: 0 (default: the official MoCo v3, in-batch keys only) or ``K > 0``: a FIFO queue
+            of the ``K`` most recent keys of both views (``2 * N * W`` enter per step, after the loss),
+            whose columns are appended to each query's in-batch logits. Both halves of the loss use
+            the queue of before the step. Memory ``K * projection_dim * 4`` bytes.
+        exclude_same_instance: with a queue, mask in each query's logits the queued keys of its own
+            image (as :class:`MoCoConfig`; items carry ``instance_id``). No effect without a queue.
     """
 
     model_type = "hf_contrast_mocov3"
@@ -264,9 +271,13 @@ class MoCoV3Config(ContrastiveConfig):
     momentum_schedule: Literal["constant", "cosine"] = "cosine"
     gather_distributed: bool = True
     freeze_patch_embed: bool = False
+    queue_size: int = 0
+    exclude_same_instance: bool = True
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        _check(lambda: self.queue_size >= 0, "queue_size", self.queue_size,
+               "an integer >= 0 (0: no queue, the official MoCo v3; K > 0: K queued keys added to the in-batch ones)")
         _check(lambda: self.predictor_hidden_dim >= 1, "predictor_hidden_dim", self.predictor_hidden_dim,
                "an integer >= 1")
         _check(lambda: self.predictor_layers >= 1, "predictor_layers", self.predictor_layers, "an integer >= 1")

@@ -193,7 +193,7 @@ def contrastive_loss(
 
 
 def mocov3_logits(
-    query: torch.Tensor, keys: torch.Tensor, temperature: float, rank: int = 0
+    query: torch.Tensor, keys: torch.Tensor, temperature: float, rank: int = 0, queue: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and labels of MoCo v3's ``ctr(q, k)``: each local query against every key of the batch.
 
@@ -203,15 +203,20 @@ def mocov3_logits(
             order, shape ``(M, D)`` with ``M = N * W`` (``M = N`` on one process).
         temperature: softmax temperature, > 0.
         rank: index of this process; query ``i`` is the image of key ``rank * N + i``.
+        queue: queued keys of earlier steps ``(K, D)`` (``MoCoV3Config.queue_size > 0``), appended as
+            ``K`` extra negative columns; ``None``: the official in-batch ``ctr``.
 
     Returns:
-        ``(logits, labels)``: float32 logits ``(N, M)`` and the positive's column ``(N,)``; the other
-        ``M - 1`` columns are the negatives.
+        ``(logits, labels)``: float32 logits ``(N, M)`` (``(N, M + K)`` with a queue) and the positive's
+        column ``(N,)``; every other column is a negative.
     """
     with torch.autocast(device_type=query.device.type, enabled=False):
         q = _fp32_normalize(query)  # (N, D)
         k = _fp32_normalize(keys)  # (M, D)
         logits = torch.einsum("nd,md->nm", q, k) / temperature  # (N, M)
+        if queue is not None:  # normalised into a new tensor: enqueuing in place later cannot touch autograd
+            l_queue = torch.einsum("nd,kd->nk", q, _fp32_normalize(queue)) / temperature  # (N, K)
+            logits = torch.cat([logits, l_queue], dim=1)  # (N, M + K)
     n = q.shape[0]
     labels = torch.arange(n, device=q.device) + rank * n  # (N,) this process's images among the M keys
     return logits, labels

@@ -154,6 +154,7 @@ class EncoderCardData:
         """
         cfg = model.config
         moco = cfg.model_type == "hf_contrast_moco"
+        queued = moco or getattr(cfg, "queue_size", 0) > 0  # MoCo v2, or MoCo v3 with its optional queue
         ema = moco or cfg.model_type == "hf_contrast_mocov3"  # a momentum encoder
         head = f"{cfg.projection_layers}-layer MLP {cfg.projection_hidden_dim}-{cfg.projection_dim}"
         head += ", BatchNorm" if cfg.projection_batch_norm else ""
@@ -172,11 +173,11 @@ class EncoderCardData:
             temperature=cfg.temperature,
             projection=head,
             gather_distributed=None if moco else cfg.gather_distributed,
-            queue_size=cfg.queue_size if moco else None,
+            queue_size=cfg.queue_size if queued else None,
             momentum=cfg.momentum if ema else None,
             momentum_schedule=cfg.momentum_schedule if ema else None,
             symmetric_loss=cfg.symmetric_loss if moco else None,
-            exclude_same_instance=cfg.exclude_same_instance if moco else None,
+            exclude_same_instance=cfg.exclude_same_instance if queued else None,
             false_negatives=getattr(cfg, "false_negatives", None),
             false_negative_top_k=getattr(cfg, "false_negative_top_k", None),
             tau_plus=getattr(cfg, "tau_plus", 0.0),
@@ -247,14 +248,27 @@ class EncoderCardData:
         if n is None:
             return "The per-device batch size was not recorded, so the number of negatives is unknown."
         if self.is_mocov3:
+            queue = self.queue_size or 0
             if self.gather_distributed:
-                return (f"Each query has 1 positive (the momentum encoder's key of its other view) and **{k} "
+                text = (f"Each query has 1 positive (the momentum encoder's key of its other view) and **{k} "
                         "negatives**: in-batch keys of the momentum encoder, gathered over W processes: N*W - 1 "
-                        f"negatives, with N = {n} images per device and W = {w} process(es). Keys are gathered "
-                        "without gradient; there is no queue.")
-            text = (f"Each query has 1 positive and **{k} negatives = N - 1** with N = {n} images per device: only "
-                    "the momentum encoder's keys of its own device's batch (`gather_distributed=False`).")
-            return text + (f" The keys on the other {w - 1} process(es) were not used." if w > 1 else "")
+                        + (f"+ K negatives, with K = {queue} queued keys, " if queue else "negatives, with ")
+                        + f"N = {n} images per device and W = {w} process(es). Keys are gathered without gradient"
+                        + ("." if queue else "; there is no queue."))
+            else:
+                text = (f"Each query has 1 positive and **{k} negatives = N - 1"
+                        + (" + K" if queue else "") + f"** with N = {n} images per device"
+                        + (f" and K = {queue} queued keys" if queue else "") + ": the momentum encoder's keys of "
+                        "its own device's batch (`gather_distributed=False`)" + (" and the queue." if queue else "."))
+                if w > 1:
+                    text += (f" The keys on the other {w - 1} process(es) were not used"
+                             + (" as in-batch negatives (they do enter the queue)." if queue else "."))
+            if queue:
+                per_step = 2 * n * w
+                text += (" The queue (not in the official MoCo v3) holds "
+                         f"the keys of both views of earlier batches, {per_step} entering per micro-batch (gathered "
+                         f"from {w} process(es)), so it spans the last {math.ceil(queue / per_step)} micro-batches.")
+            return text
         if self.gather_distributed:
             return (f"Each anchor has 1 positive and **{k} negatives = 2·N·W − 2** with N = {n} images per device "
                     f"and W = {w} process(es): the other views of the global batch, gathered from every process "

@@ -110,15 +110,7 @@ class MoCoModel(ContrastivePreTrainedModel):
         host-device sync left here (a data-dependent shape); the trainer passes False, because it has
         already checked that the loss, which every key enters through its positive logit, is finite.
         """
-        if keys.ndim != 2 or keys.shape[1] != self.queue.keys.shape[1]:
-            raise ValueError(f"keys must have shape (B, {self.queue.keys.shape[1]}), got {tuple(keys.shape)}")
-        if check_finite:
-            finite = torch.isfinite(keys).all(dim=1)  # (B,)
-            if not bool(finite.all()):
-                logger.warning(f"Dropping {int((~finite).sum())} of {keys.shape[0]} keys that are NaN or inf")
-                keys = keys[finite]
-                instance_ids = None if instance_ids is None else instance_ids.reshape(-1)[finite]
-        self.queue.push(F.normalize(keys.float(), dim=1), instance_ids, step)
+        self.queue.enqueue(keys, instance_ids, step, check_finite)
 
     def negatives(self) -> torch.Tensor:
         """The filled part of the queue ``(K_filled, D)``, detached.

@@ -1,19 +1,22 @@
-"""MoCo v3 on a timm backbone: momentum encoder, in-batch keys gathered over processes, a predictor."""
+"""MoCo v3 on a timm backbone: momentum encoder, in-batch keys gathered over processes, a predictor;
+optionally (``queue_size > 0``) a FIFO queue of earlier keys as extra negatives."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import distributed
 from .backbone import ProjectionHead, build_encoder_and_head
 from .configuration import MoCoV3Config
-from .false_negatives import cancel_negatives, support_scores
+from .false_negatives import cancel_negatives, same_instance_mask, support_scores
 from .losses import contrastive_loss, mocov3_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .momentum import ema_update_
+from .queue import NegativeQueue
 
 
 class MoCoV3Model(ContrastivePreTrainedModel):
@@ -25,12 +28,20 @@ class MoCoV3Model(ContrastivePreTrainedModel):
     query against the keys of the whole batch gathered over all processes (no gradient), labels
     offset by the rank, cross-entropy times ``2T``. ``N * W - 1`` negatives per query.
 
+    With ``config.queue_size = K > 0`` (not in the official code) the model also owns MoCo v2's
+    :class:`~hf_contrast.queue.NegativeQueue` at ``queue``: each ``ctr`` appends the ``K_filled``
+    queued keys as extra negative columns (``N * W - 1 + K_filled`` negatives), both halves against
+    the queue of before the step; the forward returns the keys of both views as ``queue_keys`` and
+    the trainer enqueues them, gathered, once per micro-batch (``2 * N * W`` keys).
+
     Attributes:
         encoder, projector, predictor: the query side (trained).
         momentum_encoder, momentum_projector: deep copies of encoder and projector,
             ``requires_grad=False``, moved only by :meth:`momentum_update` (the predictor has no
             momentum copy). They run in the same train/eval mode as the query side and keep their own
             BatchNorm running statistics.
+        queue: only with ``queue_size > 0``: keys ``(queue_size, projection_dim)``, instance ids, entry
+            steps, pointer and fill count, all buffers (the layout of :class:`~hf_contrast.MoCoModel`).
 
     The one difference from the official code: there ``forward(x1, x2, m)`` applies the EMA at the
     start of every step; here :class:`~hf_contrast.MomentumCallback` applies it once per optimizer
@@ -52,15 +63,40 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         self.momentum_encoder = copy.deepcopy(self.encoder)
         self.momentum_projector = copy.deepcopy(self.projector)
         self._freeze()
+        if config.queue_size > 0:  # no attribute at all without one: monitors and the trainer ask for `queue`
+            self.queue = NegativeQueue(config.queue_size, config.projection_dim)
         self.post_init()
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """``PreTrainedModel.from_pretrained``; the loader materialises fresh parameters, so the momentum
-        side (and a frozen patch projection) is frozen again afterwards."""
+        side (and a frozen patch projection) is frozen again afterwards, and a queue's host-side pointer
+        and fill count are read back from its buffers."""
         loaded = super().from_pretrained(*args, **kwargs)
-        (loaded[0] if isinstance(loaded, tuple) else loaded)._freeze()
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        model._freeze()
+        if model.has_queue:
+            model.queue.sync_from_buffers()
         return loaded
+
+    @property
+    def has_queue(self) -> bool:
+        """Whether the model keeps a queue of earlier keys (``config.queue_size > 0``)."""
+        return getattr(self, "queue", None) is not None
+
+    @property
+    def queue_filled(self) -> int:
+        """How many queue slots hold real keys (host int; 0 without a queue)."""
+        return self.queue.num_filled if self.has_queue else 0
+
+    @torch.no_grad()
+    def enqueue(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,
+                check_finite: bool = True) -> None:
+        """Write keys ``(B, D)`` and their ids ``(B,)`` into the queue, FIFO, normalised, as
+        :meth:`hf_contrast.MoCoModel.enqueue` (gather them over processes first)."""
+        if not self.has_queue:
+            raise ValueError("enqueue needs a queue: this MoCoV3Model has queue_size=0 (in-batch keys only)")
+        self.queue.enqueue(keys, instance_ids, step, check_finite)
 
     def _freeze(self) -> None:
         for p in self.key_parameters():
@@ -107,6 +143,7 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         pixel_values_2: torch.Tensor | None = None,
+        instance_ids: torch.Tensor | None = None,
         return_loss: bool = True,
         **kwargs,
     ) -> ContrastiveOutput:
@@ -115,14 +152,21 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         Args:
             pixel_values: first views ``(N, C, H, W)``.
             pixel_values_2: second views ``(N, C, H, W)``.
+            instance_ids: ``(N,)`` long, the dataset index of each image; used only with a queue: with
+                ``exclude_same_instance`` the queued keys of a query's own image are masked, and the ids
+                go into the queue with the keys. ``None``: unknown (nothing masked).
             return_loss: compute the loss.
 
         Returns:
-            :class:`ContrastiveOutput` with logits ``(2N, M)`` (queries of view 1, then of view 2, against
-            the gathered keys of the other view), labels ``(2N,)``, the queries as ``embeddings`` and
-            ``num_negatives = M - 1`` (``M = N * W`` gathered, else ``N``). With ``false_negatives``
-            the cancelled logits are ``-inf`` (eliminate), ``num_negatives`` is the mean per query
-            after cancellation, and ``negative_counts`` / ``false_negatives_removed`` are ``(2N,)``.
+            :class:`ContrastiveOutput` with logits ``(2N, M + K)`` (queries of view 1, then of view 2,
+            against the gathered keys of the other view, then the ``K = K_filled`` queued keys; ``K = 0``
+            without a queue), labels ``(2N,)``, the queries as ``embeddings`` and ``num_negatives =
+            M - 1 + K`` (``M = N * W`` gathered, else ``N``). When anything is masked (same-instance
+            queued keys, ``false_negatives``) the masked logits are ``-inf``, ``num_negatives`` is the
+            mean per query after masking and ``negative_counts`` (and with cancellation
+            ``false_negatives_removed``) are ``(2N,)``. With a queue, ``queue_keys`` ``(2N, D)`` holds
+            this process's normalised keys of view 2, then view 1, for :meth:`enqueue`, and
+            ``queue_instance_ids`` ``(2N,)`` their ids.
         """
         if pixel_values_2 is None:
             raise ValueError("MoCoV3Model.forward needs two views: pass pixel_values and pixel_values_2")
@@ -133,34 +177,55 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         if gather:
             k1, k2 = distributed.gather_no_grad(k1), distributed.gather_no_grad(k2)  # (N * W, D) in rank order
         rank = distributed.rank() if gather else 0
-        halves = [self._contrast(q1, k2_local, k2, rank), self._contrast(q2, k1_local, k1, rank)]
+        queue = queue_ids = None
+        if self.has_queue:  # the queue of before this step, for both halves
+            queue, queue_ids = self.queue.negatives(), self.queue.negative_ids()  # (K, D), (K,)
+        halves = [self._contrast(q1, k2_local, k2, rank, queue, queue_ids, instance_ids),
+                  self._contrast(q2, k1_local, k1, rank, queue, queue_ids, instance_ids)]
         loss = None
         if return_loss:  # ctr(q1, k2) + ctr(q2, k1), each times 2T as the official code
             t = self.config.temperature
             loss = sum(contrastive_loss(logits, labels, t, self.config.tau_plus, positive_mask) * (2 * t)
                        for logits, labels, positive_mask, *_ in halves)
-        logits, labels = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])  # (2N, M), (2N,)
+        logits, labels = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])  # (2N, M + K), (2N,)
         counts = kept = removed = None
-        if self.config.false_negatives is not None:
-            counts, kept, removed = (torch.cat([h[i] for h in halves]) for i in (3, 4, 5))  # (2N,) each
+        if halves[0][3] is not None:  # something was masked: per-query counts
+            counts, kept = (torch.cat([h[i] for h in halves]) for i in (3, 4))  # (2N,) each
+            if self.config.false_negatives is not None:
+                removed = torch.cat([h[5] for h in halves])  # (2N,)
+        queue_keys = queue_key_ids = None
+        if self.has_queue:  # this process's keys of view 2, then view 1; the trainer gathers and enqueues them
+            queue_keys = F.normalize(torch.cat([k2_local, k1_local]).float(), dim=1)  # (2N, D)
+            queue_key_ids = None if instance_ids is None else torch.cat([instance_ids, instance_ids])  # (2N,)
+        filled = 0 if queue is None else queue.shape[0]
         return ContrastiveOutput(
-            loss=loss, logits=logits, labels=labels, embeddings=torch.cat([q1, q2]),
-            num_negatives=k1.shape[0] - 1 if counts is None else counts.float().mean(),
-            negative_counts=kept, false_negatives_removed=removed,
+            loss=loss, logits=logits, labels=labels, embeddings=torch.cat([q1, q2]), queue_keys=queue_keys,
+            num_negatives=k1.shape[0] - 1 + filled if counts is None else counts.float().mean(),
+            negative_counts=kept, queue_instance_ids=queue_key_ids, false_negatives_removed=removed,
         )
 
-    def _contrast(self, q, k_own, keys, rank):
-        """``ctr(q, k)``'s logits ``(N, M)`` and labels ``(N,)`` of local queries ``q (N, D)`` against
-        the gathered keys ``(M, D)`` of the other view, with false-negative cancellation when the
-        config asks for it. The support set of a query is the query and its own key ``k_own (N, D)``,
-        as in MoCo (see :mod:`hf_contrast.false_negatives`). Returns ``(logits, labels,
-        positive_mask, negatives, kept, removed)``; the last four are None without cancellation."""
-        logits, labels = mocov3_logits(q, keys, self.config.temperature, rank)  # (N, M), (N,)
-        if self.config.false_negatives is None:
+    def _contrast(self, q, k_own, keys, rank, queue=None, queue_ids=None, instance_ids=None):
+        """``ctr(q, k)``'s logits ``(N, M + K)`` and labels ``(N,)`` of local queries ``q (N, D)`` against
+        the gathered keys ``(M, D)`` of the other view and the queued keys ``queue (K, D)`` (``K = 0``
+        when None), with the masks the config asks for: the queued keys of a query's own image
+        (``exclude_same_instance``, ids ``queue_ids (K,)`` against ``instance_ids (N,)``) and
+        false-negative cancellation over in-batch and queued keys. The support set of a query is the
+        query and its own key ``k_own (N, D)``, as in MoCo (see :mod:`hf_contrast.false_negatives`).
+        Returns ``(logits, labels, positive_mask, negatives, kept, removed)``; the last four are None
+        when nothing can be masked (``removed`` also without cancellation)."""
+        logits, labels = mocov3_logits(q, keys, self.config.temperature, rank, queue)  # (N, M + K), (N,)
+        exclude = (self.config.exclude_same_instance and queue is not None and instance_ids is not None)
+        if self.config.false_negatives is None and not exclude:
             return logits, labels, None, None, None, None
-        excluded = torch.zeros_like(logits, dtype=torch.bool)  # (N, M)
+        m = keys.shape[0]
+        excluded = torch.zeros_like(logits, dtype=torch.bool)  # (N, M + K)
         excluded[torch.arange(logits.shape[0], device=logits.device), labels] = True  # the positive
-        scores = support_scores(torch.stack([q, k_own], dim=1), keys)  # (N, M)
+        if exclude:  # the queued keys of the query's own image (in-batch keys are of other images)
+            excluded[:, m:] = same_instance_mask(instance_ids.to(queue_ids.device), queue_ids)  # (N, K)
+        scores = None
+        if self.config.false_negatives is not None:
+            candidates = keys if queue is None else torch.cat([keys, queue])  # (M + K, D)
+            scores = support_scores(torch.stack([q, k_own], dim=1), candidates)  # (N, M + K)
         logits, positive_mask, negatives, kept, removed = cancel_negatives(logits, labels, excluded, scores,
                                                                            self.config)
         return logits, labels, positive_mask, negatives, kept, removed

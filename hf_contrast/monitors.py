@@ -325,7 +325,11 @@ class QueueConsistencyMonitor(TrainingMonitor):
 
 
 def require_queue(model, monitor: str) -> None:
-    """Raise a ``ValueError`` naming the monitor unless ``model`` has MoCo's queue."""
+    """Raise a ``ValueError`` naming the monitor unless ``model`` has MoCo's queue (a MoCo v3 queue is not
+    supported: the monitors re-encode keys as MoCo v2 makes them)."""
+    if hasattr(model, "momentum_encoder") and getattr(model, "queue", None) is not None:  # MoCoV3Model, queue_size > 0
+        raise ValueError(f"{monitor} supports MoCo's (v2) queue, not the optional queue of {type(model).__name__} "
+                         "(MoCo v3, queue_size > 0). Use KNNMonitor and RepresentationMonitor with MoCo v3.")
     if hasattr(model, "queue"):
         return
     if hasattr(model, "momentum_encoder"):  # MoCoV3Model

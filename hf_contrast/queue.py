@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 UNKNOWN_INSTANCE = -1  # the id of a key whose image is unknown (never matches a query)
 
@@ -64,6 +67,22 @@ class NegativeQueue(nn.Module):
     def negative_ids(self) -> torch.Tensor:
         """Instance ids ``(K_filled,)`` of :meth:`negatives`."""
         return self.instance_ids[: self._filled]
+
+    @torch.no_grad()
+    def enqueue(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,
+                check_finite: bool = True) -> None:
+        """L2-normalise keys ``(B, D)`` and :meth:`push` them with their ids ``(B,)``; with
+        ``check_finite``, NaN/inf keys are dropped first (a host-device sync: a data-dependent shape).
+        What :meth:`hf_contrast.MoCoModel.enqueue` and :meth:`hf_contrast.MoCoV3Model.enqueue` call."""
+        if keys.ndim != 2 or keys.shape[1] != self.keys.shape[1]:
+            raise ValueError(f"keys must have shape (B, {self.keys.shape[1]}), got {tuple(keys.shape)}")
+        if check_finite:
+            finite = torch.isfinite(keys).all(dim=1)  # (B,)
+            if not bool(finite.all()):
+                logger.warning(f"Dropping {int((~finite).sum())} of {keys.shape[0]} keys that are NaN or inf")
+                keys = keys[finite]
+                instance_ids = None if instance_ids is None else instance_ids.reshape(-1)[finite]
+        self.push(F.normalize(keys.float(), dim=1), instance_ids, step)
 
     @torch.no_grad()
     def push(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1) -> None:

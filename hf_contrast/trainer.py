@@ -152,7 +152,8 @@ class ContrastiveTrainer(Trainer):
     encoder's EMA once per optimizer step (:class:`MomentumCallback`) and logs, at every logging
     step: ``num_negatives`` (the true per-anchor count), ``contrastive_top1`` (how often the
     positive scores highest), ``pos_cosine``/``neg_cosine``, ``embedding_std`` (collapse check),
-    and for MoCo ``momentum`` and ``queue_fill``.
+    for MoCo ``momentum`` and ``queue_fill``, for MoCo v3 ``momentum`` (and ``queue_fill`` with
+    ``queue_size > 0``: its queue is enqueued as MoCo's, both views' keys once per micro-batch).
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, **kwargs):
@@ -176,6 +177,7 @@ class ContrastiveTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.is_moco = isinstance(model, MoCoModel)  # the queue-based MoCo (v2)
         self.is_mocov3 = isinstance(model, MoCoV3Model)
+        self.has_queue = self.is_moco or (self.is_mocov3 and model.has_queue)  # keys enqueued after each loss
         self.add_callback(EpochCallback(self))
         self.momentum_callback = MomentumCallback() if self.is_moco or self.is_mocov3 else None
         if self.momentum_callback is not None:
@@ -202,15 +204,18 @@ class ContrastiveTrainer(Trainer):
     def _validate_setup(self) -> None:
         """Clear errors before any work is wasted: no negatives, a queue the batch overwrites, bad data."""
         a, cfg = self.args, self.model.config
-        if self.is_moco:
-            keys_per_step = a.per_device_train_batch_size * a.world_size * (2 if cfg.symmetric_loss else 1)
+        if self.has_queue:
+            two_views = self.is_mocov3 or cfg.symmetric_loss  # MoCo v3 enqueues the keys of both views
+            keys_per_step = a.per_device_train_batch_size * a.world_size * (2 if two_views else 1)
             if keys_per_step > cfg.queue_size:
                 raise ValueError(
                     f"queue_size={cfg.queue_size} is smaller than the {keys_per_step} keys enqueued per micro-batch "
                     f"(per_device_train_batch_size={a.per_device_train_batch_size} x world size {a.world_size}"
-                    + (" x 2 views (symmetric_loss)" if cfg.symmetric_loss else "") + "): each step would overwrite "
-                    "the whole queue. Use queue_size >= that (65536 in MoCo) or a smaller batch."
+                    + ((" x 2 views (MoCo v3)" if self.is_mocov3 else " x 2 views (symmetric_loss)") if two_views
+                       else "") + "): each step would overwrite the whole queue. Use queue_size >= that "
+                    + ("(or 0: no queue)" if self.is_mocov3 else "(65536 in MoCo)") + " or a smaller batch."
                 )
+        if self.is_moco:
             splits = cfg.key_bn_splits if cfg.shuffle_bn and a.world_size == 1 else 1
             b = a.per_device_train_batch_size
             if splits > 1 and (b % splits or b // splits < 2):
@@ -317,7 +322,7 @@ class ContrastiveTrainer(Trainer):
             f"gradient accumulation {a.gradient_accumulation_steps}, global batch "
             f"{a.per_device_train_batch_size * a.world_size * a.gradient_accumulation_steps}, "
             f"negatives per anchor {self.negatives_per_anchor()}"
-            + (" (queue; fills during the first steps)" if self.is_moco else "")
+            + (" (queue; fills during the first steps)" if self.has_queue else "")
             + " (accumulation adds none)"
         )
         self._warn_narrow_corpus()
@@ -330,15 +335,15 @@ class ContrastiveTrainer(Trainer):
             return
         pool = self.negatives_per_anchor()
         cfg = self.accelerator.unwrap_model(self.model).config
-        if self.is_moco:
-            pool = cfg.queue_size  # the pool before any masking
+        if self.has_queue:
+            pool = cfg.queue_size  # the queue before any masking (MoCo v3: its in-batch keys come on top)
         features = getattr(getattr(dataset, "dataset", dataset), "features", None) or {}
         classes = next((f.num_classes for f in features.values() if isinstance(f, datasets.ClassLabel)), None)
-        estimate = false_negative_estimate(pool, len(dataset), classes, queued=self.is_moco)
+        estimate = false_negative_estimate(pool, len(dataset), classes, queued=self.has_queue)
         if estimate.fraction < 0.1:
             return
         remedy = ("exclude_same_instance=True masks the own-image keys (it needs items with 'instance_id', as "
-                  "TwoViewDataset gives); " if self.is_moco else "")
+                  "TwoViewDataset gives); " if self.has_queue else "")
         logger.warning(f"Narrow corpus: {estimate.describe()}. Every extra negative is another chance of a false "
                        f"negative: {remedy}false_negatives='eliminate' cancels likely same-class ones; a smaller pool "
                        "may train better.")
@@ -359,7 +364,7 @@ class ContrastiveTrainer(Trainer):
         unwrapped = self.accelerator.unwrap_model(model or self.model)
         check_checkpoint(resume_from_checkpoint, unwrapped)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        if isinstance(unwrapped, MoCoModel):
+        if getattr(unwrapped, "queue", None) is not None:  # MoCo, or MoCo v3 with queue_size > 0
             unwrapped.queue.sync_from_buffers()  # the host-side pointer and fill count (one sync, at load)
         rank = self.args.process_index
         if isinstance(self.train_dataset, StreamingTwoViewDataset):
@@ -449,7 +454,7 @@ class ContrastiveTrainer(Trainer):
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        ids = inputs.get("instance_id") if self.is_moco else None  # TwoViewDataset items carry it
+        ids = inputs.get("instance_id") if self.has_queue else None  # TwoViewDataset items carry it
         outputs = model(pixel_values=inputs["pixel_values"], pixel_values_2=inputs["pixel_values_2"],
                         **({} if ids is None else {"instance_ids": ids}))
         if model.training:
@@ -528,7 +533,7 @@ class ContrastiveTrainer(Trainer):
 
         ``keys`` are this process's keys ``(B', D)`` (before the cross-process gather) and
         ``key_pixel_values`` the images they were computed from, row for row (MoCo's second views,
-        then the first views with ``symmetric_loss``). Diagnostics such as queue consistency use it."""
+        then the first views with ``symmetric_loss`` and for MoCo v3). Diagnostics such as queue consistency use it."""
         listeners = [cb for cb in self.callback_handler.callbacks if hasattr(cb, "on_enqueue")]
         if not listeners:
             return
@@ -543,12 +548,10 @@ class ContrastiveTrainer(Trainer):
             metrics = self.contrastive_metrics.compute_and_reset()
             logs.update(metrics)
             model = self.accelerator.unwrap_model(self.model)
-            if self.is_moco:
-                if self.momentum_callback.last_momentum is not None:
-                    logs["momentum"] = self.momentum_callback.last_momentum
-                logs["queue_fill"] = int(model.queue_filled) / model.config.queue_size
-            if self.is_mocov3 and self.momentum_callback.last_momentum is not None:
+            if (self.is_moco or self.is_mocov3) and self.momentum_callback.last_momentum is not None:
                 logs["momentum"] = self.momentum_callback.last_momentum
+            if self.has_queue:
+                logs["queue_fill"] = int(model.queue_filled) / model.config.queue_size
             if self.args.collapse_warning:
                 self._check_collapse(logs, model.config.projection_dim, getattr(model, "loss_scale", 1.0))
         super().log(logs, start_time)

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hf_contrast import MoCoConfig, MoCoModel, MoCoV3Config, MoCoV3Model, mocov3_loss, negatives_per_anchor
@@ -196,3 +197,163 @@ def test_card_counts_gathered_and_per_device_negatives():
         card.negatives_explanation and "W = 4" in card.negatives_explanation
     per_device = EncoderCardData.from_model(build(gather_distributed=False), per_device_batch_size=32, world_size=4)
     assert per_device.negatives == 31 and "other 3 process(es) were not used" in per_device.negatives_explanation
+
+
+# --- the optional queue (queue_size > 0): not in the official code, MoCo v2's queue added to ctr ---
+
+def official_ctr_with_queue(q, k, queue, T, drop=None):
+    """``ctr(q, k)`` of the pseudocode with the queued keys appended as extra negative columns:
+    logits ``[q k^T | q queue^T] / T`` ``(N, N + K)``, positive of row i in column i, cross-entropy
+    times 2T. ``drop[i]``: queue rows left out of row i's denominator. Float64, row by row."""
+    q, k, queue = (F.normalize(x.double(), dim=1) for x in (q, k, queue))
+    losses = []
+    for i in range(q.shape[0]):
+        rows = [r for j, r in enumerate(queue) if drop is None or j not in drop.get(i, ())]
+        logits = torch.cat([k @ q[i], torch.stack(rows) @ q[i] if rows else q.new_zeros(0)]) / T  # (N + K_i,)
+        losses.append(-(logits[i] - torch.logsumexp(logits, 0)))
+    return torch.stack(losses).mean() * 2 * T
+
+
+def queued_model(backbone="test_resnet", size=12, **kw):
+    model = build(backbone, queue_size=size, **kw)
+    with torch.no_grad():  # a momentum side that differs from the query side
+        for p in model.key_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def model_views(model, x1, x2):
+    """The model's own queries and (raw) keys of both views, under no_grad, train mode."""
+    with torch.no_grad():
+        return model._query(x1), model._query(x2), model.encode_keys(x1), model.encode_keys(x2)
+
+
+@pytest.mark.parametrize("backbone", ["test_resnet", "test_vit"])
+def test_queue_loss_is_the_official_ctr_with_queued_columns(backbone):
+    """Pre-filled with 7 known keys (of 12 slots: the unfilled rows must not enter), each half is
+    ``ctr`` with the queued keys as extra columns, both halves against the same pre-step queue."""
+    model = queued_model(backbone)
+    known = torch.randn(7, 16, generator=torch.Generator().manual_seed(5))
+    model.enqueue(known, torch.arange(7) + 100, step=0)
+    before = model.queue.keys.clone()
+    x1, x2 = views(5)
+    with torch.no_grad():
+        out = model(x1, x2)  # no instance ids: nothing masked
+    q1, q2, k1, k2 = model_views(model, x1, x2)
+    t = model.config.temperature
+    expected = official_ctr_with_queue(q1, k2, known, t) + official_ctr_with_queue(q2, k1, known, t)
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-6, atol=1e-6)
+    assert out.logits.shape == (10, 5 + 7) and out.labels.tolist() == [*range(5), *range(5)]
+    assert out.num_negatives == 5 - 1 + 7 and out.negative_counts is None
+    torch.testing.assert_close(out.queue_keys, F.normalize(torch.cat([k2, k1]), dim=1))  # view 2, then view 1
+    assert torch.equal(model.queue.keys, before) and model.queue_filled == 7  # the forward never enqueues
+    without = official_ctr_with_queue(q1, k2, known[:0], t) + official_ctr_with_queue(q2, k1, known[:0], t)
+    assert abs(without.item() - expected.item()) > 1e-3  # the queue really entered the loss
+
+
+def test_queued_keys_of_the_query_own_image_are_masked_exactly():
+    """A queued key of the query's own image: that query's rows (both halves) get exactly the loss of the
+    queue without that key; the other queries still contrast with it (it is another image to them);
+    ``num_negatives`` is the mean count after masking; with the masking off the loss differs."""
+    x1, x2 = views(4)
+    ids = torch.tensor([10, 11, 12, 13])
+    others = torch.randn(5, 16, generator=torch.Generator().manual_seed(7))
+    model = queued_model()
+    _, _, k1, _ = model_views(model, x1, x2)
+    own = k1[[1, 3]] + 0.01 * torch.randn(2, 16)  # near-copies of images 11 and 13's keys: strong negatives
+    rows = torch.cat([others[:2], own[:1], others[2:], own[1:]])  # (7, D): image 11's key at row 2, 13's at 6
+    row_ids = torch.tensor([50, 51, 11, 52, 53, 54, 13])
+    model.enqueue(rows, row_ids)
+    with torch.no_grad():
+        out = model(x1, x2, instance_ids=ids)
+    per_query = F.cross_entropy(out.logits, out.labels, reduction="none")  # (8,) view-1 queries, then view-2
+    for query, row in ((1, 2), (3, 6)):
+        keep = [j for j in range(7) if j != row]
+        without = queued_model()  # same weights; the queue without the own-image key
+        without.enqueue(rows[keep], row_ids[keep])
+        with torch.no_grad():
+            ref = without(x1, x2, instance_ids=ids)
+        ref_rows = F.cross_entropy(ref.logits, ref.labels, reduction="none")
+        torch.testing.assert_close(per_query[[query, query + 4]], ref_rows[[query, query + 4]], rtol=1e-6, atol=1e-6)
+    plain = queued_model(exclude_same_instance=False)
+    plain.enqueue(rows, row_ids)
+    with torch.no_grad():
+        unmasked = plain(x1, x2, instance_ids=ids)
+    plain_rows = F.cross_entropy(unmasked.logits, unmasked.labels, reduction="none")
+    torch.testing.assert_close(per_query[[0, 2, 4, 6]], plain_rows[[0, 2, 4, 6]])  # other images: not masked
+    assert (plain_rows[[1, 3, 5, 7]] > per_query[[1, 3, 5, 7]] + 1e-3).all()  # own keys as negatives hurt
+    assert float(out.num_negatives) == pytest.approx(3 + 7 - 2 / 4)  # queries 1 and 3 lose one column per half
+    assert out.negative_counts.tolist() == [10, 9, 10, 9] * 2 and unmasked.num_negatives == 3 + 7
+    assert out.queue_instance_ids.tolist() == [10, 11, 12, 13] * 2
+    q1, q2, k1, k2 = model_views(model, x1, x2)
+    drop = {1: {2}, 3: {6}}
+    t = model.config.temperature
+    expected = official_ctr_with_queue(q1, k2, rows, t, drop) + official_ctr_with_queue(q2, k1, rows, t, drop)
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_false_negative_candidates_include_the_queue():
+    """With the keys of view 2 queued (no ids: not masked as same-instance), each first-view query's
+    top candidate is its own key in the queue (similarity 1 to its support key): eliminate takes it."""
+    model = queued_model(false_negatives="eliminate", false_negative_top_k=1)
+    x1, x2 = views(4)
+    _, _, _, k2 = model_views(model, x1, x2)
+    model.enqueue(k2)
+    with torch.no_grad():
+        out = model(x1, x2)
+    first = out.logits[:4]  # (4, 4 + 4): queries of view 1 against k2, then the queue
+    assert torch.equal(torch.isinf(first[:, 4:]), torch.eye(4, dtype=torch.bool))
+    assert torch.isfinite(first[:, :4]).all()
+    assert out.false_negatives_removed.tolist() == [1] * 8 and float(out.num_negatives) == 4 - 1 + 4 - 1
+
+
+def test_queue_size_zero_is_the_official_model_and_validation():
+    plain, explicit = build(), build(queue_size=0, exclude_same_instance=False)
+    assert not hasattr(plain, "queue") and not plain.has_queue and plain.queue_filled == 0
+    assert not any(k.startswith("queue") for k in plain.state_dict())
+    x1, x2 = views(4)
+    with torch.no_grad():
+        a, b = plain(x1, x2, instance_ids=torch.arange(4)), explicit(x1, x2)
+    assert torch.equal(a.loss, b.loss) and a.queue_keys is None and a.num_negatives == 3
+    with pytest.raises(ValueError, match="enqueue needs a queue"):
+        plain.enqueue(torch.randn(2, 16))
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"queue_size=.* is invalid: queue_size must be an integer >= 0"):
+            MoCoV3Config(backbone="test_resnet", queue_size=bad)
+    queued = queued_model(size=32)
+    assert queued.queue.keys.shape == (32, 16)
+    assert {k for k in queued.state_dict() if k.startswith("queue.")} == {
+        "queue.keys", "queue.instance_ids", "queue.entry_steps", "queue.ptr", "queue.filled"}  # MoCo v2's layout
+
+
+def test_queue_saves_and_loads_with_its_pointer(tmp_path):
+    model = queued_model(size=8)
+    model.enqueue(torch.randn(11, 16), torch.arange(11), step=3)  # wraps: pointer 3, full
+    model.save_pretrained(tmp_path)
+    from transformers import AutoModel
+
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert (loaded.queue.pointer, loaded.queue_filled) == (3, 8)
+    for name in ("keys", "instance_ids", "entry_steps"):
+        assert torch.equal(getattr(loaded.queue, name), getattr(model.queue, name)), name
+
+
+def test_card_and_count_with_a_queue(tmp_path):
+    from pathlib import Path
+
+    from hf_contrast import EncoderCardData
+
+    model = build(queue_size=4096)
+    assert negatives_per_anchor(model.config, 32, 4) == 32 * 4 - 1 + 4096
+    assert negatives_per_anchor(build(queue_size=4096, gather_distributed=False).config, 32, 4) == 31 + 4096
+    card = EncoderCardData.from_model(model, per_device_batch_size=32, world_size=4)
+    assert card.negatives == 4223 and card.queue_size == 4096 and card.exclude_same_instance
+    text = card.negatives_explanation
+    assert "N*W - 1 + K negatives, with K = 4096 queued keys, N = 32 images per device and W = 4" in text
+    assert "256 entering per micro-batch" in text and "last 16 micro-batches" in text
+    template = Path(__file__).parents[1] / "model_cards" / "encoder_card.md.jinja"
+    rendered = str(card.to_model_card(template_path=template))
+    assert "| queue | 4096 keys of earlier batches, on top of the in-batch keys" in rendered
+    assert "| negatives per anchor | 4223 |" in rendered
+    plain = str(EncoderCardData.from_model(build(), per_device_batch_size=32).to_model_card(template_path=template))
+    assert "| queue | none: in-batch keys of the momentum encoder |" in plain

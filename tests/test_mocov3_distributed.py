@@ -1,6 +1,7 @@
 """MoCo v3 across processes (``torchrun --nproc_per_node 2``, gloo, CPU): keys gathered without
 gradient, queries local, labels offset by rank give the loss and the DDP gradients of one process
-with the full batch; with gathering off each query sees only its device's N - 1 keys."""
+with the full batch (also with a pre-filled queue); with gathering off each query sees only its
+device's N - 1 keys."""
 
 import importlib.util
 
@@ -48,3 +49,12 @@ def test_false_negative_cancellation_over_gathered_keys_equals_one_process(runs)
     assert_grads_match(two, one)
     plain, _ = runs("mocov3")
     assert abs(two["loss"].item() - plain["loss"].item()) > 1e-4  # attraction changed the loss
+
+
+def test_prefilled_queue_over_gathered_keys_equals_one_process(runs):
+    two, one = runs("mocov3_queue")  # 10 queued keys; images 1 and 5 each have one queued key, masked
+    assert two["loss"].item() == pytest.approx(one["loss"].item(), rel=1e-5)
+    assert float(two["num_negatives"]) == float(one["num_negatives"]) == pytest.approx(N_GLOBAL - 1 + 10 - 2 / 8)
+    assert_grads_match(two, one)
+    plain, _ = runs("mocov3")
+    assert abs(two["loss"].item() - plain["loss"].item()) > 1e-3  # the queue entered the loss

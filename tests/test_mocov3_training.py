@@ -4,6 +4,7 @@ order, checkpoints round-trip strictly (momentum side included), monitors accept
 import datasets
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from hf_contrast import (
@@ -16,6 +17,7 @@ from hf_contrast import (
     QueueConsistencyMonitor,
     RepresentationMonitor,
     momentum_at,
+    negatives_per_anchor,
 )
 
 HEADS = dict(projection_hidden_dim=32, projection_dim=16, predictor_hidden_dim=24, image_size=32)
@@ -26,12 +28,14 @@ def build(backbone="test_resnet", **kw) -> MoCoV3Model:
     return MoCoV3Model(MoCoV3Config.for_backbone(backbone, **{**HEADS, **kw}))
 
 
-def tensor_dataset(n=64, seed=0, labels=False):
+def tensor_dataset(n=64, seed=0, labels=False, ids=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, 32, 32, generator=g)
     data = {"pixel_values": x.numpy(), "pixel_values_2": (x + 0.1 * torch.randn_like(x)).numpy()}
     if labels:
         data["labels"] = (torch.arange(n) % 4).numpy()
+    if ids:
+        data["instance_id"] = torch.arange(n).numpy()
     return datasets.Dataset.from_dict(data).with_format("torch")
 
 
@@ -100,19 +104,28 @@ def final_state(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_checkpoint_round_trip_is_strict_and_exact(tmp_path):
+@pytest.mark.parametrize("queue_size", [0, 40])
+def test_checkpoint_round_trip_is_strict_and_exact(tmp_path, queue_size):
+    """Resuming at step 2 of 4 ends bitwise where the uninterrupted run ends; with a queue (40 slots, 16
+    keys a step: it wraps) the queue, its ids, entry steps and host-side pointer come back too."""
     common = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    ref_model = build()
-    ContrastiveTrainer(model=ref_model, args=args(tmp_path / "ref", **common), train_dataset=tensor_dataset(64)).train()
+    ref_model = build(queue_size=queue_size)
+    ContrastiveTrainer(model=ref_model, args=args(tmp_path / "ref", **common),
+                       train_dataset=tensor_dataset(64, ids=True)).train()
     reference = final_state(ref_model)
 
-    model = build()
-    trainer = ContrastiveTrainer(model=model, args=args(tmp_path / "resumed", **common), train_dataset=tensor_dataset(64))
+    model = build(queue_size=queue_size)
+    trainer = ContrastiveTrainer(model=model, args=args(tmp_path / "resumed", **common),
+                                 train_dataset=tensor_dataset(64, ids=True))
     trainer.train(resume_from_checkpoint=str(tmp_path / "ref" / "checkpoint-2"))
     state = final_state(model)
     assert set(state) == set(reference) and any(k.startswith("momentum_encoder.") for k in state)
     for k in reference:
         assert torch.equal(state[k], reference[k]), k  # momentum side, BatchNorm statistics, predictor: bitwise
+    assert any(k.startswith("queue.") for k in state) == (queue_size > 0)
+    if queue_size:
+        assert (model.queue.pointer, model.queue_filled) == (ref_model.queue.pointer, 40) == (64 % 40, 40)
+        assert set(model.queue.instance_ids.tolist()) <= set(range(64)) and model.queue.entry_steps.max() == 3
 
     checkpoint = tmp_path / "ref" / "checkpoint-2"
     weights = load_file(checkpoint / "model.safetensors")
@@ -180,3 +193,39 @@ def test_cancellation_trains_and_logs_the_count_after_cancellation(tmp_path):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(h["num_negatives"] == 8 - 1 - 3 for h in logs)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+
+
+def test_queue_is_enqueued_once_per_step_with_both_views_and_counted(tmp_path):
+    """queue_size > 0: after each step the trainer enqueues 2N keys (view 2, then view 1, with their ids)
+    once; the logged num_negatives is N - 1 + the fill the step saw, queue_fill the fill after it."""
+    model = build(queue_size=64)
+    enqueued = []
+    original = model.enqueue
+    model.enqueue = lambda keys, ids=None, **kw: (enqueued.append((keys.clone(), ids.clone())), original(keys, ids, **kw))
+    trainer = ContrastiveTrainer(model=model, args=args(tmp_path, max_steps=2), train_dataset=tensor_dataset(64, ids=True))
+    trainer.train()
+    assert len(enqueued) == 2 and all(k.shape == (16, 16) and i.shape == (16,) for k, i in enqueued)
+    assert (model.queue.pointer, model.queue_filled) == (32, 32)
+    for step, (keys, ids) in enumerate(enqueued):
+        assert torch.equal(ids[:8], ids[8:]) and len(set(ids[:8].tolist())) == 8  # the same 8 images, two views
+        torch.testing.assert_close(model.queue.keys[16 * step : 16 * (step + 1)], F.normalize(keys, dim=1))
+        assert torch.equal(model.queue.instance_ids[16 * step : 16 * (step + 1)], ids)
+    assert model.queue.entry_steps[:32].tolist() == [0] * 16 + [1] * 16
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["num_negatives"] for h in logs] == [8 - 1 + 0, 8 - 1 + 16]  # first step: empty queue
+    assert [h["queue_fill"] for h in logs] == [16 / 64, 32 / 64]
+    assert negatives_per_anchor(model.config, 8) == 8 - 1 + 64 == trainer.negatives_per_anchor()
+    with pytest.raises(ValueError, match=r"queue_size=12 is smaller than the 16 keys .* x 2 views \(MoCo v3\)"):
+        ContrastiveTrainer(model=build(queue_size=12), args=args(tmp_path), train_dataset=tensor_dataset(16))
+    with pytest.raises(ValueError, match="supports MoCo's \\(v2\\) queue"):
+        QueueConsistencyMonitor(every_n_steps=1).attach(trainer)
+
+
+def test_pretrain_script_queue_size_defaults_per_method(pretrain):
+    """``--queue_size`` unset: 0 (no queue) for mocov3, 2048 for moco; ``--queue_size K`` gives v3 a queue."""
+    common = dict(backbone="test_resnet", projection_hidden_dim=32, projection_dim=16, predictor_hidden_dim=24)
+    assert pretrain.build_model(pretrain.ModelArguments(method="mocov3", **common), 32).config.queue_size == 0
+    assert not pretrain.build_model(pretrain.ModelArguments(method="mocov3", **common), 32).has_queue
+    queued = pretrain.build_model(pretrain.ModelArguments(method="mocov3", queue_size=64, **common), 32)
+    assert queued.has_queue and queued.queue.keys.shape == (64, 16) and queued.config.exclude_same_instance
+    assert pretrain.build_model(pretrain.ModelArguments(method="moco", **common), 32).config.queue_size == 2048

@@ -21,7 +21,9 @@ Every field of the three dataclasses below is a command-line flag (``--help`` li
 
 ``--method mocov3`` (facebookresearch/moco-v3): in-batch keys of the momentum encoder gathered over
 processes (N*W - 1 negatives), a predictor, the loss ``ctr(q1, k2) + ctr(q2, k1)`` scaled by 2T,
-momentum 0.99 on a cosine schedule to 1 (``--momentum_schedule`` defaults to cosine for it). The
+momentum 0.99 on a cosine schedule to 1 (``--momentum_schedule`` defaults to cosine for it), no
+queue (``--queue_size K`` adds a FIFO queue of K keys to the in-batch negatives, not in the official
+code; ``--queue_size`` defaults to 0 for mocov3 and 2048 for moco). The
 head follows ``MoCoV3Config.for_backbone`` (a ViT gets a predictor output BatchNorm and a frozen
 patch projection); ``--projection_layers 3`` gives the official ViT projector. Optimizer defaults
 for it, each applied only where the flag is not given on the command line:
@@ -82,6 +84,7 @@ from hf_contrast.streaming import StreamingTwoViewDataset
 logger = logging.getLogger("pretrain")
 
 METHODS = ("moco", "simclr", "mocov3")
+DEFAULT_QUEUE_SIZE = {"moco": 2048, "mocov3": 0}  # --queue_size when not given: MoCo v3 has no queue by default
 
 
 @dataclass
@@ -100,8 +103,10 @@ class ModelArguments:
     projection_output_batch_norm: bool = field(
         default=True, metadata={"help": "BatchNorm on the head's output (MoCo v3); prevents collapse."})
     temperature: float = field(default=0.2, metadata={"help": "Softmax temperature."})
-    queue_size: int = field(
-        default=2048, metadata={"help": "MoCo queue length; keep it below the dataset size (4,000 digits)."})
+    queue_size: int | None = field(
+        default=None, metadata={"help": "Queue length. moco: default 2048 (keep it below the dataset size, 4,000 "
+                                        "digits). mocov3: default 0 (no queue, the official MoCo v3); K > 0 adds a "
+                                        "FIFO queue of K keys to the in-batch negatives. Unused by simclr."})
     momentum: float = field(default=0.99, metadata={"help": "MoCo EMA momentum (0.99: CIFAR-scale runs)."})
     momentum_schedule: str | None = field(
         default=None, metadata={"help": "constant or cosine (to 1.0); default constant for moco, cosine for mocov3."})
@@ -110,7 +115,8 @@ class ModelArguments:
     symmetric_loss: bool = field(
         default=False, metadata={"help": "MoCo: both views as queries (1.8x the step time for +0.01 kNN here)."})
     exclude_same_instance: bool = field(
-        default=True, metadata={"help": "MoCo: mask queued keys of the anchor's own image (needs instance ids)."})
+        default=True, metadata={"help": "MoCo, and mocov3 with --queue_size > 0: mask queued keys of the anchor's own "
+                                        "image (needs instance ids)."})
     false_negatives: str | None = field(
         default=None, metadata={"help": "False-negative cancellation: eliminate or attract (default: off)."})
     false_negative_top_k: int = field(default=10, metadata={"help": "Candidates cancellation takes per anchor."})
@@ -266,14 +272,17 @@ def build_model(args: ModelArguments, image_size: int):
         tau_plus=args.tau_plus,
     )
     if args.method == "moco":
-        config = MoCoConfig(queue_size=args.queue_size, momentum=args.momentum, key_bn_splits=args.key_bn_splits,
+        queue_size = DEFAULT_QUEUE_SIZE["moco"] if args.queue_size is None else args.queue_size
+        config = MoCoConfig(queue_size=queue_size, momentum=args.momentum, key_bn_splits=args.key_bn_splits,
                             momentum_schedule=args.momentum_schedule or "constant", symmetric_loss=args.symmetric_loss,
                             exclude_same_instance=args.exclude_same_instance, **common)
         return MoCoModel(config)
     if args.method == "mocov3":  # the official head for the backbone's family (ViT: predictor BN, frozen patches)
         return MoCoV3Model(MoCoV3Config.for_backbone(
             common.pop("backbone"), **common, predictor_hidden_dim=args.predictor_hidden_dim,
-            momentum=args.momentum, momentum_schedule=args.momentum_schedule or "cosine"))
+            momentum=args.momentum, momentum_schedule=args.momentum_schedule or "cosine",
+            queue_size=DEFAULT_QUEUE_SIZE["mocov3"] if args.queue_size is None else args.queue_size,
+            exclude_same_instance=args.exclude_same_instance))
     return SimCLRModel(SimCLRConfig(**common))
 
 

@@ -1,6 +1,7 @@
 """Run under ``torchrun --nproc_per_node W``: one MoCo v3 step in DDP on this rank's shard of a fixed
 global batch, with a LayerNorm backbone (test_vit) and BatchNorm-free heads, so one process on the
-whole batch is the exact reference. Rank 0 writes the mean loss, the DDP-averaged gradients and the
+whole batch is the exact reference (``mocov3_queue``: with a queue pre-filled identically on every rank,
+two of its keys of the batch's own images, masked). Rank 0 writes the mean loss, the DDP-averaged gradients and the
 negative count to ``OUT/<name>.safetensors`` (tests/test_mocov3_distributed.py compares)."""
 
 import os
@@ -36,12 +37,20 @@ def main(out_dir: str) -> None:
     x1, x2 = torch.randn(N_GLOBAL, 3, 32, 32, generator=g), torch.randn(N_GLOBAL, 3, 32, 32, generator=g)
     n = N_GLOBAL // world
     x1, x2 = x1[rank * n : (rank + 1) * n], x2[rank * n : (rank + 1) * n]  # (N, 3, 32, 32) this rank's shard
+    ids = torch.arange(N_GLOBAL)[rank * n : (rank + 1) * n]  # (N,) global image ids
+    queued = torch.randn(10, 16, generator=g)  # (10, D) the same on every rank, as after gathered enqueues
+    queued_ids = torch.tensor([100, 1, 101, 102, 103, 5, 104, 105, 106, 107])  # images 1 and 5: one per rank
     configs = {"mocov3": {}, "mocov3_per_device": {"gather_distributed": False},
-               "mocov3_attract": {"false_negatives": "attract", "false_negative_top_k": 2}}
+               "mocov3_attract": {"false_negatives": "attract", "false_negative_top_k": 2},
+               "mocov3_queue": {"queue_size": 16}}
     for name, kw in configs.items():
         model = build(**kw)
+        inputs = {}
+        if model.has_queue:
+            model.enqueue(queued, queued_ids)
+            inputs = {"instance_ids": ids}
         ddp = DDP(model) if distributed.is_distributed() else model
-        out = ddp(x1, x2)
+        out = ddp(x1, x2, **inputs)
         out.loss.backward()
         loss = out.loss.detach().clone()
         if distributed.is_distributed():
