@@ -30,6 +30,7 @@ class FalseNegativeEstimate:
         own_image_keys: expected queued keys of the anchor's own image.
         same_class: expected negatives of the anchor's class, ``pool / num_classes`` (None when the
             number of classes is unknown).
+        keys_per_image: keys one image enqueues per epoch (2 when both views are queued).
     """
 
     pool: int
@@ -38,18 +39,20 @@ class FalseNegativeEstimate:
     own_image_probability: float
     own_image_keys: float
     same_class: float | None
+    keys_per_image: int = 1
 
     def describe(self) -> str:
+        formula = "K^2/2N^2" if self.keys_per_image == 1 else "(K/2)^2/2N^2: both views are queued"
         text = (f"the pool of {self.pool:,} negatives is {self.fraction:.1%} of the {self.dataset_size:,} images; "
                 f"an anchor's own earlier key is a negative with probability {self.own_image_probability:.1%} "
-                f"(K^2/2N^2; about {self.own_image_keys:.2f} such keys per anchor)")
+                f"({formula}; about {self.own_image_keys:.2f} such keys per anchor)")
         if self.same_class is not None:
             text += f", and about {self.same_class:,.0f} negatives ({self.same_class / max(self.pool, 1):.0%}) share its class"
         return text
 
 
 def false_negative_estimate(pool: int, dataset_size: int, num_classes: int | None = None,
-                            queued: bool = True) -> FalseNegativeEstimate:
+                            queued: bool = True, keys_per_image: int = 1) -> FalseNegativeEstimate:
     """The expected false negatives of a pool of ``pool`` negatives over ``dataset_size`` images.
 
     Args:
@@ -58,10 +61,15 @@ def false_negative_estimate(pool: int, dataset_size: int, num_classes: int | Non
         num_classes: C, for the ``pool / C`` same-class estimate (balanced classes assumed).
         queued: MoCo's queue (keys of earlier steps). False for SimCLR's in-batch negatives, which
             never hold the anchor's own image.
+        keys_per_image: keys each image puts into the queue per epoch: 1 for MoCo, 2 when both views
+            are enqueued (``symmetric_loss``, MoCo v3's queue). The queue then spans ``K / 2`` images
+            and holds two keys of each: the probability is that of ``K / 2``, the key count twice it.
     """
     if dataset_size < 1:
         raise ValueError(f"dataset_size={dataset_size!r} is invalid: it must be an integer >= 1")
-    k, n = pool, dataset_size
+    if keys_per_image < 1:
+        raise ValueError(f"keys_per_image={keys_per_image!r} is invalid: it must be an integer >= 1")
+    k, n = pool / keys_per_image, dataset_size  # k: the images the queue spans
     if not queued:
         prob = keys = 0.0
     elif k <= n:
@@ -69,5 +77,7 @@ def false_negative_estimate(pool: int, dataset_size: int, num_classes: int | Non
     else:  # the gap is uniform-triangular on [0, 2N]: P(gap <= K) = 1 - (2N - K)^2 / 2N^2, and older epochs add keys
         prob = 1.0 - max(2 * n - k, 0) ** 2 / (2.0 * n * n)
         keys = k / n - 0.5
+    keys *= keys_per_image
+    k = pool
     same = k / num_classes if num_classes else None
-    return FalseNegativeEstimate(k, n, k / n, prob, keys, same)
+    return FalseNegativeEstimate(k, n, k / n, prob, keys, same, keys_per_image)

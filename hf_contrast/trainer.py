@@ -339,7 +339,9 @@ class ContrastiveTrainer(Trainer):
             pool = cfg.queue_size  # the queue before any masking (MoCo v3: its in-batch keys come on top)
         features = getattr(getattr(dataset, "dataset", dataset), "features", None) or {}
         classes = next((f.num_classes for f in features.values() if isinstance(f, datasets.ClassLabel)), None)
-        estimate = false_negative_estimate(pool, len(dataset), classes, queued=self.has_queue)
+        two_views = self.has_queue and (self.is_mocov3 or getattr(cfg, "symmetric_loss", False))  # both views queued
+        estimate = false_negative_estimate(pool, len(dataset), classes, queued=self.has_queue,
+                                           keys_per_image=2 if two_views else 1)
         if estimate.fraction < 0.1:
             return
         remedy = ("exclude_same_instance=True masks the own-image keys (it needs items with 'instance_id', as "

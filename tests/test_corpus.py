@@ -16,13 +16,14 @@ plan = sys.modules["training_plan_corpus"] = importlib.util.module_from_spec(spe
 spec.loader.exec_module(plan)
 
 
-def simulate(k, n, epochs=12, seed=0):
-    """A FIFO queue of the K newest keys over reshuffled epochs of N images: the share of anchors
-    whose own earlier key is queued, and the mean number of such keys, measured."""
+def simulate(k, n, epochs=12, seed=0, keys_per_image=1):
+    """A FIFO queue of the K newest keys over reshuffled epochs of N images (each image enqueuing
+    ``keys_per_image`` keys at once): the share of anchors whose own earlier key is queued, and the
+    mean number of such keys, measured."""
     rng = np.random.default_rng(seed)
-    stream = np.concatenate([rng.permutation(n) for _ in range(epochs)])
+    stream = np.concatenate([np.repeat(rng.permutation(n), keys_per_image) for _ in range(epochs)])
     hits, counts = [], []
-    for t in range(3 * n + k, len(stream)):
+    for t in range(keys_per_image * 3 * n + k, len(stream), keys_per_image):  # t: the anchor's first key
         window = stream[t - k:t]
         c = int((window == stream[t]).sum())
         hits.append(c > 0)
@@ -39,6 +40,20 @@ def test_own_key_probability_matches_a_simulation(k, n):
     assert est.same_class == k / 10 and est.fraction == k / n
     if k <= n:
         assert est.own_image_probability == k * k / (2 * n * n)
+
+
+@pytest.mark.parametrize("k,n", [(300, 400), (1000, 400)])
+def test_two_keys_per_image_match_a_simulation(k, n):
+    """Both views enqueued (symmetric loss, MoCo v3's queue): the queue spans K/2 images, two keys each."""
+    est = false_negative_estimate(k, n, num_classes=10, keys_per_image=2)
+    prob, keys = simulate(k, n, keys_per_image=2)
+    assert est.own_image_probability == pytest.approx(prob, abs=0.02)
+    assert est.own_image_keys == pytest.approx(keys, abs=0.05)
+    one = false_negative_estimate(k, n, num_classes=10)
+    assert est.own_image_probability < one.own_image_probability and est.same_class == one.same_class == k / 10
+    assert "(K/2)^2/2N^2: both views are queued" in est.describe() and "K^2/2N^2;" in one.describe()
+    with pytest.raises(ValueError, match="keys_per_image"):
+        false_negative_estimate(k, n, keys_per_image=0)
 
 
 def test_in_batch_pool_never_holds_the_own_image_and_text_states_the_numbers():
@@ -70,6 +85,11 @@ def test_trainer_warns_on_a_narrow_corpus(digits, caplog, tmp_path):
         trainer._warn_narrow_corpus()
     text = caplog.text
     assert "51.2% of the 4,000 images" in text and "probability 13.1%" in text and "about 205 negatives" in text
+    caplog.clear()
+    model.config.symmetric_loss = True  # both views enter the queue: it spans 1,024 images
+    with caplog.at_level(logging.WARNING, logger="hf_contrast.trainer"):
+        trainer._warn_narrow_corpus()
+    assert "probability 3.3%" in caplog.text and "both views are queued; about 0.07 such keys" in caplog.text
 
 
 def test_planner_adds_the_estimate():
