@@ -95,7 +95,7 @@ class Settings:
             memory_cached=(8, 2), gc_small=4, gc_large=8, compile_backend="eager",
             # about 35 s on 2 idle cores; the budgets leave room for cores shared with other jobs
             budgets=dict(correctness=40, throughput=30, compile=45, lightly=30, planner_memory=30, grad_cache=25,
-                         e2e=90),  # e2e: about 45 s on 2 idle cores
+                         e2e=120),  # e2e: about 45 s on 2 idle cores
         )
 
 
@@ -639,8 +639,9 @@ def section_e2e(run: Run, record: dict, deadline: float):
     work = Path(getattr(run, "out", None) or tempfile.mkdtemp(prefix="gpu_check_")) / "e2e"
     report = gpu_e2e.run_e2e(s, work, deadline - 2, run.log, report=record)
     record["table"] = gpu_e2e.table(report)
-    if not any(x.get("status") == "ok" for r in report["results"].values() for x in r.values() if isinstance(x, dict)):
-        raise RuntimeError("no end-to-end run succeeded: " + "; ".join(
+    runs = [x for r in report["results"].values() for x in r.values() if isinstance(x, dict)]
+    if not any("e2e_over_raw" in x for x in runs):  # each run's failure is in its row; all failed: the section did
+        raise RuntimeError("no end-to-end run measured: " + "; ".join(
             f"{m} {k}: {x.get('reason', x.get('status'))}"[:400] for m, r in report["results"].items()
             for k, x in r.items() if isinstance(x, dict)))
 
@@ -710,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for report.md and report.json (default results/gpu, "
                    "--smoke: results/gpu/smoke)")
     p.add_argument("--budget_s", type=float, default=None,
-                   help="time for all sections together (default 560 s, e2e 280 of them; --smoke: 240 s, about 80 s "
+                   help="time for all sections together (default 560 s, e2e 280 of them; --smoke: 260 s, about 80 s "
                    "used on idle cores)")
     p.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run only these sections")
     p.add_argument("--lightly_target", default=None, help="folder lightly is installed into (default: in the temp folder)")
@@ -721,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device: the full check needs one; --smoke runs the same code on CPU")
     if a.smoke:
         torch.set_num_threads(1)  # tiny models on shared cores
-    run = Run(s, a.budget_s or (240.0 if a.smoke else 560.0))
+    run = Run(s, a.budget_s or (260.0 if a.smoke else 560.0))
     out = Path(a.out or ("results/gpu/smoke" if a.smoke else "results/gpu"))
     out.mkdir(parents=True, exist_ok=True)
     run.out = out

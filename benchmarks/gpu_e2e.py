@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -142,6 +143,7 @@ def write_corpus(directory: Path, images: int, shards: int, seed: int = 0, proce
     import hf_contrast
 
     t = time.perf_counter()
+    shutil.rmtree(directory, ignore_errors=True)  # no shard of an earlier, larger corpus stays in the glob
     seeds = [seed * 1_000_003 + i for i in range(images)]
     if processes > 1:
         with ProcessPoolExecutor(processes) as pool:
@@ -316,6 +318,7 @@ def e2e_run(s: E2ESettings, method: str, compiled: bool, corpus: Path, work: Pat
     tag = f"{method}_{'compiled' if compiled else 'eager'}"
     out = work / tag
     cmd, features = pretrain_command(s, method, corpus, out, compiled, options)
+    shutil.rmtree(out, ignore_errors=True)  # an earlier run's trainer_state.json must not be read as this one's
     t = time.perf_counter()
     rc, lines = run_pretrain(cmd, work / f"{tag}.log", timeout)
     record = dict(features=features, command=cmd[1:], seconds=round(time.perf_counter() - t, 1),
@@ -491,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", nargs="*", choices=list(METHODS), default=None,
                     help="methods also run compiled (default: all; --smoke: moco)")
     ap.add_argument("--max_steps", type=int, default=None)
-    ap.add_argument("--budget_s", type=float, default=None, help="time for the whole run (default 570; smoke 100)")
+    ap.add_argument("--budget_s", type=float, default=None, help="time for the whole run (default 570; smoke 150, about 45 used on idle cores)")
     a = ap.parse_args(argv)
     s = E2ESettings.smoke_run() if a.smoke else E2ESettings()
     if not a.smoke and not torch.cuda.is_available():
@@ -506,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     say = lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)  # noqa: E731
     say(f"end-to-end run ({'smoke' if s.smoke else 'full'}) on {device_name(s.device)}")
-    report = run_e2e(s, work, t0 + (a.budget_s or (100.0 if a.smoke else 570.0)), say)
+    report = run_e2e(s, work, t0 + (a.budget_s or (150.0 if a.smoke else 570.0)), say)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2, default=str))
     print(table(report))

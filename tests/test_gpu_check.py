@@ -23,7 +23,7 @@ def report(tmp_path_factory):
     # lightly goes into a folder under out (pip, no dependencies) or the section is skipped with pip's reason
     p = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env, timeout=400,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert (out / "report.md").is_file() and (out / "report.json").is_file()

@@ -27,7 +27,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_e2e")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_e2e.py"), "--smoke", "--output",
-                        str(out / "e2e.json")], capture_output=True, text=True, env=env, timeout=200)
+                        str(out / "e2e.json")], capture_output=True, text=True, env=env, timeout=220)
     assert (out / "e2e.json").is_file(), p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads((out / "e2e.json").read_text()), p.stdout
 
