@@ -358,11 +358,11 @@ def raw_step(s: E2ESettings, method: str, args: list[str]) -> RawStep:
     device (the batch's ``y`` serve as instance ids); a queue starts full, as in steady state."""
     from transformers import HfArgumentParser
 
-    p = import_pretrain()
-    (model_args, _rest) = HfArgumentParser(p.ModelArguments).parse_args_into_dataclasses(
+    pretrain = import_pretrain()
+    (model_args, _rest) = HfArgumentParser(pretrain.ModelArguments).parse_args_into_dataclasses(
         args=args[1:], return_remaining_strings=True)
     torch.manual_seed(0)
-    model = p.build_model(model_args, s.image_size)
+    model = pretrain.build_model(model_args, s.image_size)
     queue = getattr(model, "queue", None)
     if queue is not None:
         k, d = model.config.queue_size, model.config.projection_dim
@@ -494,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", nargs="*", choices=list(METHODS), default=None,
                     help="methods also run compiled (default: all; --smoke: moco)")
     ap.add_argument("--max_steps", type=int, default=None)
-    ap.add_argument("--budget_s", type=float, default=None, help="time for the whole run (default 570; smoke 150, about 45 used on idle cores)")
+    ap.add_argument("--budget_s", type=float, default=None,
+                    help="time for the whole run (default 570; smoke 150, about 45 used on idle cores)")
     a = ap.parse_args(argv)
     s = E2ESettings.smoke_run() if a.smoke else E2ESettings()
     if not a.smoke and not torch.cuda.is_available():
