@@ -23,7 +23,7 @@ Sections (each wrapped: a failure is reported and the rest still run; each has a
 * ``grad_cache``: cached SimCLR at batch 1024 (chunks of 64) against plain 64 (memory) and plain 1024 (time).
 * ``e2e``: ``benchmarks/gpu_e2e.py``: the user's path (``training/pretrain.py`` on streamed JPEG shards, device
   augmentation, bf16, channels_last) per method against the same model's raw step; compiled for MoCo v2
-  only here (``gpu_e2e.py`` alone compiles every method). Its files go to ``OUT/e2e``.
+  only here (``gpu_e2e.py`` alone compiles every method). pretrain.py's logs go to ``OUT/e2e_logs``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import contextlib
 import gc
 import json
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -638,8 +639,12 @@ def section_e2e(run: Run, record: dict, deadline: float):
     import gpu_e2e
 
     s = gpu_e2e.E2ESettings.smoke_run() if run.s.smoke else gpu_e2e.E2ESettings(compile=("moco",))
-    work = Path(getattr(run, "out", None) or tempfile.mkdtemp(prefix="gpu_check_")) / "e2e"
-    report = gpu_e2e.run_e2e(s, work, deadline - 2, run.log, report=record)
+    work = Path(tempfile.mkdtemp(prefix="hf_contrast_gpu_check_e2e_"))  # the corpus and the runs' outputs
+    logs = Path(getattr(run, "out", None) or work) / "e2e_logs"
+    try:
+        report = gpu_e2e.run_e2e(s, work, deadline - 2, run.log, report=record, logs=logs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     record["table"] = gpu_e2e.table(report)
     runs = [x for r in report["results"].values() for x in r.values() if isinstance(x, dict)]
     if not any("e2e_over_raw" in x for x in runs):  # each run's failure is in its row; all failed: the section did

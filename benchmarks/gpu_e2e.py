@@ -37,11 +37,13 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -312,27 +314,35 @@ def throughput(history: list[dict], printed: list[tuple[float, dict]], s: E2ESet
     return r
 
 
-def e2e_run(s: E2ESettings, method: str, compiled: bool, corpus: Path, work: Path, options: dict,
+def last_error(text: str) -> str:
+    """The last ``SomethingError: message`` line of a log (else its last line)."""
+    lines = [line.strip() for line in text.strip().splitlines()] or [""]
+    return next((line for line in reversed(lines) if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b.*", line)),
+                lines[-1])[:500]
+
+
+def e2e_run(s: E2ESettings, method: str, compiled: bool, corpus: Path, work: Path, logs: Path, options: dict,
             timeout: float) -> dict:
-    """One pretrain.py run and the images/s read from its logs (``command``: its arguments)."""
+    """One pretrain.py run (output in ``work``, deleted after, its log in ``logs``) and the images/s
+    read from its logs (``command``: its arguments)."""
     tag = f"{method}_{'compiled' if compiled else 'eager'}"
-    out = work / tag
+    out, log = work / tag, logs / f"{tag}.log"
     cmd, features = pretrain_command(s, method, corpus, out, compiled, options)
     shutil.rmtree(out, ignore_errors=True)  # an earlier run's trainer_state.json must not be read as this one's
     t = time.perf_counter()
-    rc, lines = run_pretrain(cmd, work / f"{tag}.log", timeout)
-    record = dict(features=features, command=cmd[1:], seconds=round(time.perf_counter() - t, 1),
-                  log=str(work / f"{tag}.log"))
+    rc, lines = run_pretrain(cmd, log, timeout)
+    record = dict(features=features, command=cmd[1:], seconds=round(time.perf_counter() - t, 1), log=str(log))
     state = out / f"checkpoint-{s.max_steps}" / "trainer_state.json"
     history = json.loads(state.read_text())["log_history"] if state.is_file() else []
-    record["log_history_from"] = str(state) if history else "printed log lines"
+    record["log_history_from"] = "trainer_state.json" if history else "printed log lines"
+    shutil.rmtree(out, ignore_errors=True)  # checkpoints and exports: hundreds of MB per run at full size
     try:
         record.update(throughput(history, logged_dicts(lines), s))
     except RuntimeError:
         if rc == 0:
             raise
     if rc != 0:  # after training (the export, say) the figures stand, and the failure is reported with them
-        error = f"pretrain.py exited with {rc}: " + (work / f"{tag}.log").read_text()[-1500:]
+        error = f"pretrain.py exited with {rc}: {last_error(log.read_text())}"
         if "images_per_s" not in record:
             raise RuntimeError(error)
         record["error"] = error
@@ -426,10 +436,14 @@ def device_name(device: str) -> str:
         f"{os.cpu_count()} cores)"
 
 
-def run_e2e(s: E2ESettings, work: Path, deadline: float, log=print, report: dict | None = None) -> dict:
+def run_e2e(s: E2ESettings, work: Path, deadline: float, log=print, report: dict | None = None,
+            logs: Path | None = None) -> dict:
     """Corpus, then per method the eager e2e run and raw step, then the compiled ones, until ``deadline``
-    (``time.perf_counter()``); fills ``report`` (returned) as it goes, so a cut-off run keeps its results."""
+    (``time.perf_counter()``); fills ``report`` (returned) as it goes, so a cut-off run keeps its results.
+    The corpus and the runs' outputs go to ``work``, pretrain.py's logs to ``logs`` (default: ``work``)."""
     report = {} if report is None else report
+    logs = logs or work
+    logs.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report.update(mode="smoke" if s.smoke else "full", date=datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), device=device_name(s.device), versions=versions(), settings=asdict(s))
@@ -450,7 +464,7 @@ def run_e2e(s: E2ESettings, work: Path, deadline: float, log=print, report: dict
             log(f"  {method} {mode}: skipped (no time left)")
             continue
         try:
-            row["e2e"] = e2e_run(s, method, compiled, corpus, work, options, min(s.run_timeout_s, left - 5))
+            row["e2e"] = e2e_run(s, method, compiled, corpus, work, logs, options, min(s.run_timeout_s, left - 5))
             row["raw"] = time_raw(s, method, row["e2e"]["command"], compiled, deadline)
             row["e2e_over_raw"] = round(row["e2e"]["images_per_s"] / row["raw"]["images_per_s"], 3)
             row["status"] = "ok"
@@ -459,7 +473,7 @@ def run_e2e(s: E2ESettings, work: Path, deadline: float, log=print, report: dict
             log(f"  {method} {mode}: e2e {row['e2e']['images_per_s']} images/s ({row['e2e']['source']}), raw "
                 f"{row['raw']['images_per_s']}, e2e / raw {row['e2e_over_raw']}")
         except Exception as e:  # noqa: BLE001 - one run's failure must not stop the others
-            row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[-1500:]}")
+            row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[-500:]}")
             log(f"  {method} {mode}: FAILED {row['reason'][:300]}")
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
@@ -489,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
                     "with the eager backend (dynamo traces, nothing is generated)")
     ap.add_argument("--output", default=None, help="the JSON report (default results/gpu/e2e.json; "
                     "--smoke: results/gpu/smoke/e2e.json)")
-    ap.add_argument("--work_dir", default=None, help="corpus, runs and logs (default: beside --output)")
+    ap.add_argument("--work_dir", default=None, help="corpus and run outputs (default: a new temporary folder, "
+                    "deleted at the end); pretrain.py's logs go beside --output (e2e_logs/)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
     ap.add_argument("--compile", nargs="*", choices=list(METHODS), default=None,
                     help="methods also run compiled (default: all; --smoke: moco)")
@@ -506,11 +521,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         torch.set_num_threads(1)  # tiny models on shared cores
     output = Path(a.output or ("results/gpu/smoke/e2e.json" if a.smoke else "results/gpu/e2e.json"))
-    work = Path(a.work_dir) if a.work_dir else output.with_suffix("")
+    work = Path(a.work_dir or tempfile.mkdtemp(prefix="hf_contrast_gpu_e2e_"))
     t0 = time.perf_counter()
     say = lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)  # noqa: E731
     say(f"end-to-end run ({'smoke' if s.smoke else 'full'}) on {device_name(s.device)}")
-    report = run_e2e(s, work, t0 + (a.budget_s or (150.0 if a.smoke else 570.0)), say)
+    try:
+        report = run_e2e(s, work, t0 + (a.budget_s or (150.0 if a.smoke else 570.0)), say,
+                         logs=output.parent / "e2e_logs")
+    finally:
+        if not a.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2, default=str))
     print(table(report))
