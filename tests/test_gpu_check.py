@@ -53,6 +53,10 @@ def test_e2e_section_reports_the_users_path_against_the_raw_step(report):
     assert set(sec["results"]) == {"moco", "simclr", "mocov3"}
     ratios = [r["eager"].get("e2e_over_raw") for r in sec["results"].values()]
     assert any(x is not None and x > 0 for x in ratios), sec["results"]
+    compiled = sec["results"]["moco"]["compiled"]  # pretrain.py --torch_compile (eager backend on CPU)
+    assert compiled.get("e2e_over_raw", 0) > 0 or "no time left" in compiled.get("reason", ""), compiled
+    if "e2e" in compiled:
+        assert "--torch_compile" in compiled["e2e"]["command"]
     assert "| method | run | e2e images/s | raw images/s | e2e / raw |" in md
 
 
