@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""One prepared GPU check, under 5 minutes on one GPU: throughput, lightly, planner memory, gradient
-caching and correctness on CUDA, side by side in one run; a markdown report and JSON in ``--out``.
+"""One prepared GPU check, under 10 minutes on one GPU (570 s budget, about half of it the end-to-end
+runs): throughput, lightly, planner memory, gradient caching, correctness and the user's path on CUDA,
+side by side in one run; a markdown report and JSON in ``--out``.
 
     python benchmarks/gpu_check.py                    # CUDA: resnet50 at 224 px, bf16, channels_last
-    python benchmarks/gpu_check.py --smoke            # CPU, tiny timm models, same code paths, < 1 minute
+    python benchmarks/gpu_check.py --only e2e         # only the user's path against the raw step
+    python benchmarks/gpu_check.py --smoke            # CPU, tiny timm models, same code paths, < 2 minutes
 
 Sections (each wrapped: a failure is reported and the rest still run; each has a time budget):
 
@@ -19,6 +21,9 @@ Sections (each wrapped: a failure is reported and the rest still run; each has a
 * ``planner_memory``: ``training/plan.py``'s predicted bytes against ``max_memory_allocated`` for MoCo,
   plain and cached SimCLR on two backbones (fp32, as the planner assumes).
 * ``grad_cache``: cached SimCLR at batch 1024 (chunks of 64) against plain 64 (memory) and plain 1024 (time).
+* ``e2e``: ``benchmarks/gpu_e2e.py``: the user's path (``training/pretrain.py`` on streamed JPEG shards, device
+  augmentation, bf16, channels_last) per method against the same model's raw step; compiled for MoCo v2
+  only here (``gpu_e2e.py`` alone compiles every method). pretrain.py's logs go to ``OUT/e2e_logs``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import contextlib
 import gc
 import json
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -82,7 +88,7 @@ class Settings:
     gc_large: int = 1024
     compile_backend: str = "inductor"
     budgets: dict = field(default_factory=lambda: dict(
-        correctness=30, throughput=45, compile=100, lightly=20, planner_memory=35, grad_cache=35))
+        correctness=30, throughput=45, compile=100, lightly=20, planner_memory=35, grad_cache=35, e2e=330))
 
     @classmethod
     def smoke_run(cls) -> Settings:
@@ -91,7 +97,8 @@ class Settings:
             repeats=1, lightly_batch=8, memory_backbones=("test_resnet", "test_vit"), memory_batch=8,
             memory_cached=(8, 2), gc_small=4, gc_large=8, compile_backend="eager",
             # about 35 s on 2 idle cores; the budgets leave room for cores shared with other jobs
-            budgets=dict(correctness=40, throughput=30, compile=45, lightly=30, planner_memory=30, grad_cache=25),
+            budgets=dict(correctness=40, throughput=30, compile=45, lightly=30, planner_memory=30, grad_cache=25,
+                         e2e=120),  # e2e: about 45 s on 2 idle cores
         )
 
 
@@ -194,10 +201,12 @@ def section_correctness(run: Run, record: dict, deadline: float):
 
 
 class Method:
-    """One model's training step at a given batch: bf16 autocast, channels_last, SGD momentum."""
+    """One model's training step at a given batch: bf16 autocast (``dtype``; None: fp32), channels_last,
+    SGD momentum."""
 
-    def __init__(self, name: str, model: torch.nn.Module, params, step, device: torch.device):
-        self.name, self.model, self.step_fn, self.device = name, model, step, device
+    def __init__(self, name: str, model: torch.nn.Module, params, step, device: torch.device,
+                 dtype: torch.dtype | None = torch.bfloat16):
+        self.name, self.model, self.step_fn, self.device, self.dtype = name, model, step, device, dtype
         self.model.to(device=device, memory_format=torch.channels_last).train()
         self.opt = torch.optim.SGD(params, lr=1e-4, momentum=0.9)
         self.inputs: dict[int, tuple] = {}
@@ -213,7 +222,7 @@ class Method:
 
     def __call__(self, b: int, image_size: int) -> None:
         x1, x2, y = self.batch(b, image_size)
-        with autocast(self.device):
+        with torch.autocast(self.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None):
             loss = self.step_fn(x1, x2, y)
         loss.backward()
         self.after_backward()
@@ -316,8 +325,9 @@ def search_batch(run: Run, methods: list[Method], deadline: float) -> tuple[int,
     return best, tried
 
 
-def time_methods(run: Run, methods: list[Method], b: int, deadline: float) -> dict:
-    """Median step time of each method, interleaved rounds (round 0 warms up)."""
+def time_methods(run: Run, methods: list[Method], b: int, deadline: float, base: str | None = "supervised") -> dict:
+    """Median step time of each method, interleaved rounds (round 0 warms up); ``ratio_to_supervised``
+    against the method named ``base`` (None: no ratio)."""
     times = {m.name: [] for m in methods}
     for r in range(run.s.repeats + 1):
         if r > 1 and time.perf_counter() > deadline:
@@ -326,10 +336,11 @@ def time_methods(run: Run, methods: list[Method], b: int, deadline: float) -> di
             t = m.timed(b, run.s.image_size)
             if r:
                 times[m.name].append(t)
-    base = statistics.median(times["supervised"])
+    ref = statistics.median(times[base]) if base else None
     return {
         name: dict(median_s=round(statistics.median(t), 4), images_per_s=round(b / statistics.median(t), 1),
-                   ratio_to_supervised=round(statistics.median(t) / base, 3), rounds=len(t))
+                   **({} if ref is None else dict(ratio_to_supervised=round(statistics.median(t) / ref, 3))),
+                   rounds=len(t))
         for name, t in times.items()
     }
 
@@ -369,9 +380,7 @@ def _compile_and_time(run: Run, record: dict, deadline: float, methods: list[Met
             results[m.name] = dict(status="skipped", reason="section budget spent")
             continue
         try:
-            encoders = [getattr(m.model, n) for n in ("encoder", "key_encoder") if hasattr(m.model, n)] or [m.model]
-            for enc in encoders:
-                enc.compile(backend=s.compile_backend)
+            compile_encoders(m.model, s.compile_backend)
             t = time.perf_counter()
             m(b, s.image_size)
             m(b, s.image_size)  # a second call: a recompile (e.g. on the key encoder) shows here
@@ -388,6 +397,14 @@ def _compile_and_time(run: Run, record: dict, deadline: float, methods: list[Met
     if working and working[0].name == "supervised":
         for name, r in time_methods(run, working, b, deadline - 2).items():
             results[name].update(r)
+
+
+def compile_encoders(model: torch.nn.Module, backend: str) -> None:
+    """Compile a model's backbones in place (``nn.Module.compile``): query, key and momentum encoders,
+    or the whole model when it has none; heads, loss, EMA and queue stay eager."""
+    names = ("encoder", "key_encoder", "momentum_encoder")
+    for enc in [getattr(model, n) for n in names if hasattr(model, n)] or [model]:
+        enc.compile(backend=backend)
 
 
 # ---------------------------------------------------------------- lightly
@@ -615,6 +632,27 @@ def section_grad_cache(run: Run, record: dict, deadline: float):
                 (cached["median_s"] / s.gc_large) / (small["median_s"] / s.gc_small), 3)
 
 
+# ---------------------------------------------------------------- end to end
+
+
+def section_e2e(run: Run, record: dict, deadline: float):
+    import gpu_e2e
+
+    s = gpu_e2e.E2ESettings.smoke_run() if run.s.smoke else gpu_e2e.E2ESettings(compile=("moco",))
+    work = Path(tempfile.mkdtemp(prefix="hf_contrast_gpu_check_e2e_"))  # the corpus and the runs' outputs
+    logs = Path(getattr(run, "out", None) or work) / "e2e_logs"
+    try:
+        report = gpu_e2e.run_e2e(s, work, deadline - 2, run.log, report=record, logs=logs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    record["table"] = gpu_e2e.table(report)
+    runs = [x for r in report["results"].values() for x in r.values() if isinstance(x, dict)]
+    if not any("e2e_over_raw" in x for x in runs):  # each run's failure is in its row; all failed: the section did
+        raise RuntimeError("no end-to-end run measured: " + "; ".join(
+            f"{m} {k}: {x.get('reason', x.get('status'))}"[:400] for m, r in report["results"].items()
+            for k, x in r.items() if isinstance(x, dict)))
+
+
 # ---------------------------------------------------------------- report
 
 SECTIONS = {
@@ -624,6 +662,7 @@ SECTIONS = {
     "lightly": section_lightly,
     "planner_memory": section_planner_memory,
     "grad_cache": section_grad_cache,
+    "e2e": section_e2e,
 }
 
 
@@ -665,6 +704,10 @@ def markdown(report: dict) -> str:
                             [[k, r.get("negatives", "-"), r.get("peak_mib", "-"), r.get("median_s", "-"), r["status"]]
                              for k, r in sec["results"].items()])
             lines += [""] + [f"{k}: {v}" for k, v in sec.items() if k.startswith("cached_")]
+        elif name == "e2e" and "table" in sec:
+            corpus = sec.get("corpus", {})
+            lines += [f"Corpus: {corpus.get('images')} JPEGs in {corpus.get('shards')} shards, mean "
+                      f"{corpus.get('mean_jpeg_kib')} KiB.", "", sec["table"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -675,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for report.md and report.json (default results/gpu, "
                    "--smoke: results/gpu/smoke)")
     p.add_argument("--budget_s", type=float, default=None,
-                   help="time for all sections together (default 280 s; --smoke: 200 s, about 35 s used on idle cores)")
+                   help="time for all sections together (default 570 s, e2e up to 330 of them; --smoke: 260 s, about 80 s "
+                   "used on idle cores)")
     p.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run only these sections")
     p.add_argument("--lightly_target", default=None, help="folder lightly is installed into (default: in the temp folder)")
     p.add_argument("--lightly_wheels", default=None, help="install lightly offline from wheels in this folder")
@@ -685,9 +729,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device: the full check needs one; --smoke runs the same code on CPU")
     if a.smoke:
         torch.set_num_threads(1)  # tiny models on shared cores
-    run = Run(s, a.budget_s or (200.0 if a.smoke else 280.0))
+    run = Run(s, a.budget_s or (260.0 if a.smoke else 570.0))
     out = Path(a.out or ("results/gpu/smoke" if a.smoke else "results/gpu"))
     out.mkdir(parents=True, exist_ok=True)
+    run.out = out
     run.lightly_target = Path(a.lightly_target or Path(tempfile.gettempdir()) / "hf_contrast_gpu_check_lightly")
     run.lightly_wheels = a.lightly_wheels
     device = torch.cuda.get_device_name(0) if run.device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"

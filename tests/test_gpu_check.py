@@ -1,4 +1,5 @@
-"""``benchmarks/gpu_check.py --smoke``: the GPU check's code runs on CPU with tiny models, so it cannot rot.
+"""``benchmarks/gpu_check.py --smoke``: the GPU check's code runs on CPU with tiny models, so it cannot rot
+(its ``e2e`` section, ``benchmarks/gpu_e2e.py``, is tested in ``test_gpu_e2e.py`` too).
 
 Runs the script in a subprocess and reads its JSON report: every section ran or was skipped with a
 reason, and every correctness check passed (each compares gradients, weights or RNG states against a
@@ -22,7 +23,7 @@ def report(tmp_path_factory):
     # lightly goes into a folder under out (pip, no dependencies) or the section is skipped with pip's reason
     p = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env, timeout=400,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert (out / "report.md").is_file() and (out / "report.json").is_file()
@@ -33,7 +34,7 @@ def test_every_section_ran_or_was_skipped_with_a_reason(report):
     data, md = report
     assert data["mode"] == "smoke"
     assert set(data["sections"]) == {
-        "correctness", "throughput", "compile", "lightly", "planner_memory", "grad_cache"
+        "correctness", "throughput", "compile", "lightly", "planner_memory", "grad_cache", "e2e"
     }
     for name, sec in data["sections"].items():  # timed_out: a loaded machine; still reported, with its reason
         assert sec["status"] in ("ok", "skipped", "timed_out"), (name, sec)
@@ -41,6 +42,22 @@ def test_every_section_ran_or_was_skipped_with_a_reason(report):
         assert f"## {name}: {sec['status']}" in md
     assert data["sections"]["correctness"]["status"] == "ok"
     assert data["sections"]["throughput"]["status"] == "ok"
+
+
+def test_e2e_section_reports_the_users_path_against_the_raw_step(report):
+    data, md = report
+    sec = data["sections"]["e2e"]
+    if sec["status"] == "timed_out":  # a loaded machine: reported with its reason, partial results kept
+        pytest.skip(sec["reason"])
+    assert sec["status"] == "ok", sec.get("reason")
+    assert set(sec["results"]) == {"moco", "simclr", "mocov3"}
+    ratios = [r["eager"].get("e2e_over_raw") for r in sec["results"].values()]
+    assert any(x is not None and x > 0 for x in ratios), sec["results"]
+    compiled = sec["results"]["moco"]["compiled"]  # pretrain.py --torch_compile (eager backend on CPU)
+    assert compiled.get("e2e_over_raw", 0) > 0 or "no time left" in compiled.get("reason", ""), compiled
+    if "e2e" in compiled:
+        assert "--torch_compile" in compiled["e2e"]["command"]
+    assert "| method | run | e2e images/s | raw images/s | e2e / raw |" in md
 
 
 def test_correctness_checks_passed(report):
