@@ -93,7 +93,7 @@ def draw_params(n: int, height, width, generator: torch.Generator | None = None,
     return torch.cat([boxes] + [c.float().view(n, -1) for c in columns], dim=1)  # (n, NUM_PARAMS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _constants(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Luma weights and the hue rotation's matrices on ``device``, made once."""
     yiq = torch.tensor(_RGB_TO_YIQ, dtype=torch.float64)
@@ -106,12 +106,12 @@ def _constants(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tens
     return {"gray": put(_GRAY).view(1, 3, 1, 1), "hue_a": put(a), "hue_b": put(b), "eye": put(torch.eye(3))}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _taps(kernel_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(kernel_size, device=device, dtype=dtype) - (kernel_size - 1) / 2  # (k,)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mean_std(mean: tuple, std: tuple, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.tensor(mean, device=device, dtype=dtype).view(1, -1, 1, 1),
             torch.tensor(std, device=device, dtype=dtype).view(1, -1, 1, 1))
