@@ -22,8 +22,11 @@ batch)``, so a resumed run sees exactly the batches of the uninterrupted one.
 Workers decode each image and resize it to a fixed ``source_size`` square (shorter side, then a
 centre crop; JPEGs are decoded at reduced size with PIL's draft mode), then either make the two
 views with the batched kernels of :mod:`hf_contrast.augment`, or, with ``device_augmentation``,
-stop there and ship ``uint8`` images for :class:`~hf_contrast.DeviceAugmentation` to augment on the
-model's device.
+stop there and ship ``uint8`` images with the views' parameters (drawn from the batch's seed) for
+:class:`~hf_contrast.DeviceAugmentation` to augment on the model's device.
+
+Workers persist across epochs (:class:`StreamLoader` keeps one DataLoader iterator, whose dataset
+iterator runs epoch after epoch), so the next epoch's shards are opened while the current one ends.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ class ContrastiveTrainer(Trainer):
         raw = {k: inputs.pop(k).to(device, non_blocking=True) for k in ("images", "view_params")}
         if getattr(self, "_device_augmentation", None) is None:  # made once: its constants are cached per device
             self._device_augmentation = DeviceAugmentation(self.train_dataset.augmentation)
-        return self._device_augmentation.inputs({**super()._prepare_inputs(inputs), **raw})
+        return self._device_augmentation.inputs({**self._prepare_input(inputs), **raw})  # the rest may be empty
 
     def negatives_per_anchor(self) -> int:
         """Negatives each anchor will see once training runs (MoCo: with a full queue); see
