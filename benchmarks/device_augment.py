@@ -103,29 +103,26 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def rate(fn, n: int, repeats: int, device) -> float:
-    fn()
-    sync(device)
+def measure(fn, n: int, repeats: int, device) -> tuple[float, int]:
+    """Images/s (median of ``repeats`` timed calls) and the op count of one more, profiled, call."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return n / statistics.median(times)
-
-
-def op_count(fn) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+        sync(device)
+    ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+    return n / statistics.median(times), ops
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="64,256")
     p.add_argument("--image_size", type=int, default=224)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1, help="timed calls per path (the median is printed)")
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
     device = torch.device(a.device)
@@ -135,15 +132,19 @@ def main():
     print(f"two views at {a.image_size} px from {source} px uint8, {device} ({torch.get_num_threads()} threads), "
           f"median of {a.repeats}; ops: top-level aten ops of one call")
     print(f"{'batch':>6} {'old img/s':>10} {'new img/s':>10} {'speed-up':>9} {'old ops':>8} {'new ops':>8} {'ops ratio':>9}")
-    for n in (int(b) for b in a.batches.split(",")):
+    batches = [int(b) for b in a.batches.split(",")]
+    for n in batches:
         images = torch.randint(0, 256, (n, 3, source, source), dtype=torch.uint8,
                                generator=torch.Generator().manual_seed(0)).to(device)
         params = aug.view_params(n, source, source, torch.Generator().manual_seed(0))  # drawn in the worker
         params = params.pin_memory() if device.type == "cuda" else params
         run_old = lambda x=images: old_call(aug, x, 0)  # noqa: E731
         run_new = lambda x=images, q=params: new(x, q)  # noqa: E731
-        r_old, r_new = rate(run_old, n, a.repeats, device), rate(run_new, n, a.repeats, device)
-        o_old, o_new = op_count(run_old), op_count(run_new)
+        if n == batches[0]:  # warm-up: constants cached, allocator and kernels warm
+            old_call(aug, images[:8], 0), new(images[:8], params[:8])
+            sync(device)
+        r_old, o_old = measure(run_old, n, a.repeats, device)
+        r_new, o_new = measure(run_new, n, a.repeats, device)
         print(f"{n:>6} {r_old:>10.1f} {r_new:>10.1f} {r_new / r_old:>8.2f}x {o_old:>8} {o_new:>8} {o_old / o_new:>8.1f}x")
 
 
