@@ -213,7 +213,7 @@ def gaussian_blur(x: torch.Tensor, params: torch.Tensor, kernel_size: int) -> to
     r = _taps(kernel_size, x.device, x.dtype)  # (k,)
     sigma = params[:, SIGMA].to(x.dtype).clamp(min=1e-3).view(n, 1)  # (B, 1): 1e-3 gives exp(-5e5) = 0 off centre
     k = torch.exp(-(r**2) / (2 * sigma**2))  # (B, k)
-    k = (k / k.sum(1, keepdim=True)).repeat_interleave(c, 0)  # (B * C, k)
+    k = (k / k.sum(1, keepdim=True)).unsqueeze(1).expand(n, c, kernel_size).reshape(n * c, kernel_size)  # (B * C, k)
     pad = kernel_size // 2
     y = x.reshape(1, n * c, h, w)
     y = F.conv2d(F.pad(y, (pad, pad, 0, 0), mode="reflect"), k.view(n * c, 1, 1, kernel_size), groups=n * c)
