@@ -278,7 +278,8 @@ class StreamLoader:
     and each pass takes one epoch's batches from it, so the workers persist and, while the
     training loop finishes an epoch, they already open and decode the next epoch's shards (no
     stall at the boundary). A new iterator (new workers) is made only when the position changed
-    under it (a checkpoint was loaded) or on the first pass.
+    under it (a checkpoint was loaded), on the first pass, or after a pass was abandoned before its
+    end (training stopped: the workers are shut down then).
     """
 
     def __init__(self, dataset: StreamingTwoViewDataset, pin_memory=False, prefetch_factor=None,
@@ -316,7 +317,11 @@ class StreamLoader:
             ds._position = self._next = (epoch, taken)
             if taken == per_epoch:
                 self._next = (epoch + 1, 0)
-            yield batch
+            try:
+                yield batch
+            except GeneratorExit:  # the pass was abandoned (training stopped): free the workers
+                self.close()
+                raise
         ds._position = (epoch + 1, 0)
 
     def close(self) -> None:

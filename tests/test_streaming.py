@@ -146,3 +146,21 @@ def test_workers_persist_across_epochs_and_batches_stay_in_order(digits, tmp_pat
     assert [b["__key__"] for b in resumed] == [b["__key__"] for b in epochs[2][1:]]
     assert all(torch.equal(a["view_params"], b["view_params"]) for a, b in zip(resumed, epochs[2][1:], strict=True))
     loader.close()
+
+
+def test_an_abandoned_pass_frees_the_workers_and_the_next_resumes_in_order(digits, tmp_path):
+    data = shards(digits, tmp_path, images=32, per_shard=8)
+    files = resolve_shards(str(data / "*.tar"))
+    stream = datasets.load_dataset("webdataset", data_files={"train": files}, split="train", streaming=True)
+    ds = StreamingTwoViewDataset(stream, TwoViewAugmentation.small_images(16), shard_sizes=read_shard_sizes(files),
+                                 return_keys=True).configure(batch_size=4, num_workers=2, device_augmentation=True)
+    loader = ds.loader()
+    whole = [b["__key__"] for b in loader]  # epoch 0
+    passes = iter(loader)  # epoch 1, stopped after 3 batches (as the trainer at max_steps)
+    first = [next(passes)["__key__"] for _ in range(3)]
+    passes.close()
+    assert loader._iterator is None and ds.state_dict()["batches"] == 3  # workers shut down, position kept
+    rest = [b["__key__"] for b in loader]
+    assert len(first + rest) == len(whole) and sorted(k for b in first + rest for k in b) == sorted(
+        k for b in whole for k in b)
+    assert loader.iterators_created == 2
