@@ -17,7 +17,8 @@ none. Measured against torchvision's antialiased ``resized_crop`` on noisy synth
 (``benchmarks/data_throughput.py``'s corpus) at 256 -> 224: the whole image differs by 0.49 grey
 levels on average (99th percentile 2.3, max 7.8), a 256 x 192 box by 0.30, a 170 px box by 0.
 Sources above 1.5x the crop size fall back to per-image antialiased crops (see
-``TwoViewAugmentation.views``).
+``TwoViewAugmentation.views``): a Python loop with a host read of the boxes, so keep
+``source_size`` at most 1.5x ``image_size`` on this path.
 """
 
 from __future__ import annotations
