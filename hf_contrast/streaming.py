@@ -22,8 +22,11 @@ batch)``, so a resumed run sees exactly the batches of the uninterrupted one.
 Workers decode each image and resize it to a fixed ``source_size`` square (shorter side, then a
 centre crop; JPEGs are decoded at reduced size with PIL's draft mode), then either make the two
 views with the batched kernels of :mod:`hf_contrast.augment`, or, with ``device_augmentation``,
-stop there and ship ``uint8`` images for :class:`~hf_contrast.DeviceAugmentation` to augment on the
-model's device.
+stop there and ship ``uint8`` images with the views' parameters (drawn from the batch's seed) for
+:class:`~hf_contrast.DeviceAugmentation` to augment on the model's device.
+
+Workers persist across epochs (:class:`StreamLoader` keeps one DataLoader iterator, whose dataset
+iterator runs epoch after epoch), so the next epoch's shards are opened while the current one ends.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .data import TwoViewAugmentation, find_image_column, to_rgb, views_seed
+from .data import TwoViewAugmentation, find_image_column, square_resized, views_seed
 
 _READ_CHUNK = 64  # raw samples fetched per datasets call
 
@@ -51,20 +54,15 @@ def decode_resized(data: bytes, size: int) -> np.ndarray:
     image = Image.open(io.BytesIO(data))
     if image.format == "JPEG":
         image.draft("RGB", (size, size))  # decode at 1/2, 1/4 or 1/8 scale when that still covers size
-    image = to_rgb(image)
-    w, h = image.size
-    side = min(w, h)
-    left, top = (w - side) / 2, (h - side) / 2  # the centre square, in source pixels
-    box = (left, top, left + side, top + side)
-    image = image.resize((size, size), Image.BILINEAR, box=box, reducing_gap=None if size / side > 0.5 else 2.0)
-    return np.asarray(image)
+    return square_resized(image, size)
 
 
 class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
     """Two augmented views of the images of a streamed ``datasets.IterableDataset``, batched in workers.
 
     Yields whole batches: ``{"pixel_values", "pixel_values_2"}`` float ``(B, 3, S, S)``, or with
-    device augmentation ``{"images": (B, 3, R, R) uint8, "view_seed": ()}``. Use it through
+    device augmentation ``{"images": (B, 3, R, R) uint8, "view_params": (B, 2, P) float32}`` (the
+    views' parameters, drawn in the worker from the batch's seed). Use it through
     :class:`~hf_contrast.ContrastiveTrainer` (which calls :meth:`configure` and :meth:`loader`), or
     call both yourself.
 
@@ -234,29 +232,38 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (B, 3, R, R) uint8
 
     def __iter__(self):
+        """This worker's batches from ``_start`` on, epoch after epoch (the loader takes one epoch a pass)."""
         epoch, taken = self._start
-        shards, per_slot = self.plan(epoch)
         info = torch.utils.data.get_worker_info()
         workers = self.slots_per_rank
         if (info.num_workers if info else 1) != workers:
             raise StreamingError(f"Configured for {self.num_workers} workers but iterated by "
                                  f"{info.num_workers if info else 0}: iterate through loader()")
-        role = ((info.id if info else 0) + taken) % workers  # rotation: round-robin resumes where it stopped
+        # rotation: round-robin resumes where it stopped; an epoch's batches are a multiple of the
+        # workers, so a worker keeps its role in the following epochs
+        role = ((info.id if info else 0) + taken) % workers
+        while True:
+            yield from self._epoch_batches(epoch, role, taken)
+            epoch, taken = epoch + 1, 0
+
+    def _epoch_batches(self, epoch: int, role: int, taken: int):
+        shards, per_slot = self.plan(epoch)
+        workers = self.slots_per_rank
         slot = self.rank * workers + role
         first = -(-(taken - role) // workers) if taken > role else 0  # batches of this role already taken
         b = self.batch_size
         samples = self._slot_samples(epoch, slot, shards[slot], first * b, per_slot * b)
         for c in range(first, per_slot):
             batch_samples = [s for _, s in zip(range(b), samples, strict=False)]
-            images = self._decode(batch_samples)
-            seed = views_seed(self.seed, epoch, [slot, c])
-            out = {"stream_index": torch.tensor(c * workers + role)}
+            images = self._decode(batch_samples)  # (B, 3, R, R) uint8
+            generator = torch.Generator().manual_seed(views_seed(self.seed, epoch, [slot, c]))
+            params = self.augmentation.view_params(len(images), self.source_size, self.source_size, generator)
+            out = {"stream_epoch": torch.tensor(epoch), "stream_index": torch.tensor(c * workers + role)}
             if self.device_augmentation:
-                out.update(images=images, view_seed=torch.tensor(seed))
+                out.update(images=images, view_params=params)  # (B, 3, R, R) uint8, (B, 2, P) float32
             else:
-                generator = torch.Generator().manual_seed(seed)
-                out.update(pixel_values=self.augmentation._tensor_view(images, generator),
-                           pixel_values_2=self.augmentation._tensor_view(images, generator))
+                v1, v2 = self.augmentation.views(images, params)
+                out.update(pixel_values=v1, pixel_values_2=v2)
             if self.return_keys:
                 out["__key__"] = [k for _, k in batch_samples]
             yield out
@@ -267,7 +274,12 @@ class StreamLoader:
 
     A plain ``torch.utils.data.DataLoader`` (``batch_size=None``: the dataset batches) that
     Accelerate never prepares, so it neither dispatches batches from rank 0 nor shards the stream a
-    second time. Workers are not persistent: each epoch's workers get the epoch's start position.
+    second time. Its iterator lives across epochs: the dataset's iterator runs epoch after epoch
+    and each pass takes one epoch's batches from it, so the workers persist and, while the
+    training loop finishes an epoch, they already open and decode the next epoch's shards (no
+    stall at the boundary). A new iterator (new workers) is made only when the position changed
+    under it (a checkpoint was loaded), on the first pass, or after a pass was abandoned before its
+    end (training stopped: the workers are shut down then).
     """
 
     def __init__(self, dataset: StreamingTwoViewDataset, pin_memory=False, prefetch_factor=None,
@@ -276,22 +288,47 @@ class StreamLoader:
         self.kwargs = dict(pin_memory=pin_memory, multiprocessing_context=multiprocessing_context)
         if dataset.num_workers:
             self.kwargs["prefetch_factor"] = prefetch_factor
+        self._iterator = None
+        self._next: tuple[int, int] | None = None  # the position of the live iterator's next batch
+        self.iterators_created = 0  # DataLoader iterators (worker starts) made so far
 
     def __iter__(self):
         ds = self.dataset
         epoch, taken = ds._position
-        if taken >= ds.batches_per_epoch(epoch):  # stopped right at the end of an epoch
+        per_epoch = ds.batches_per_epoch(epoch)
+        if taken >= per_epoch:  # stopped right at the end of an epoch
             epoch, taken = epoch + 1, 0
-        ds._position = ds._start = (epoch, taken)
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=ds.num_workers or 0, **self.kwargs)
-        for batch in loader:
-            index = int(batch.pop("stream_index"))
-            if index != taken:
-                raise RuntimeError(f"Stream batches out of order: got batch {index}, expected {taken}")
+            per_epoch = ds.batches_per_epoch(epoch)
+        ds._position = (epoch, taken)
+        if self._iterator is None or self._next != (epoch, taken):
+            self.close()
+            ds._start = (epoch, taken)
+            loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=ds.num_workers or 0, **self.kwargs)
+            self._iterator = iter(loader)
+            self.iterators_created += 1
+        while taken < per_epoch:
+            batch = next(self._iterator)
+            got = (int(batch.pop("stream_epoch")), int(batch.pop("stream_index")))
+            if got != (epoch, taken):
+                self.close()
+                raise RuntimeError(f"Stream batches out of order: got batch {got[1]} of epoch {got[0]}, expected "
+                                   f"batch {taken} of epoch {epoch}")
             taken += 1
-            ds._position = (epoch, taken)
-            yield batch
+            ds._position = self._next = (epoch, taken)
+            if taken == per_epoch:
+                self._next = (epoch + 1, 0)
+            try:
+                yield batch
+            except GeneratorExit:  # the pass was abandoned (training stopped): free the workers
+                self.close()
+                raise
         ds._position = (epoch + 1, 0)
+
+    def close(self) -> None:
+        """Stop the workers (a new pass starts new ones)."""
+        iterator, self._iterator, self._next = self._iterator, None, None
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
 
 def streaming_two_view_dataset(dataset: datasets.IterableDataset, augmentation: TwoViewAugmentation,

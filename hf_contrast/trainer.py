@@ -235,12 +235,17 @@ class ContrastiveTrainer(Trainer):
                 f"(2 * N * world size - 2 = {self.negatives_per_anchor()}): use a per-device batch of at least 2."
             )
         streamed = isinstance(self.train_dataset, StreamingTwoViewDataset)
-        if getattr(a, "device_augmentation", False) and not streamed:
-            raise ValueError("device_augmentation=True needs a streamed train_dataset (StreamingTwoViewDataset, "
-                             "pretrain.py --streaming): its workers ship the uint8 images the device augments")
+        device_views = getattr(a, "device_augmentation", False) and not streamed
+        if device_views and not hasattr(self.train_dataset, "configure_device_augmentation"):
+            raise ValueError("device_augmentation=True needs a TwoViewDataset (hf_contrast.two_view_dataset) or a "
+                             "streamed StreamingTwoViewDataset: their workers ship the uint8 images and view "
+                             f"parameters the device augments, got {type(self.train_dataset).__name__}")
+        if device_views:
+            self.train_dataset.configure_device_augmentation()  # items: images (uint8) + view_params
         if streamed:
             self._configure_stream()  # too few shards for ranks x workers: a clear error before training
-        elif self.train_dataset is not None and not isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+        elif (self.train_dataset is not None and not device_views
+              and not isinstance(self.train_dataset, torch.utils.data.IterableDataset)):
             if hasattr(self.train_dataset, "__len__") and len(self.train_dataset) == 0:
                 raise ValueError("train_dataset is empty: there is nothing to pretrain on")
             if hasattr(self.train_dataset, "__getitem__"):
@@ -278,16 +283,16 @@ class ContrastiveTrainer(Trainer):
         return super().get_resumed_dataloader(dataloader, num_batches)
 
     def _prepare_inputs(self, inputs):
-        """Trainer's device placement; then, for a device-augmentation batch (``images``, ``view_seed``),
-        the two views made on the model's device."""
-        device_views = "images" in inputs and isinstance(self.train_dataset, StreamingTwoViewDataset)
-        if device_views and isinstance(inputs.get("view_seed"), torch.Tensor):
-            # read the seed while it is still on the host: after the move an int() would be a device sync
-            inputs = {**inputs, "view_seed": int(inputs["view_seed"])}
-        inputs = super()._prepare_inputs(inputs)
-        if device_views:
-            inputs = DeviceAugmentation(self.train_dataset.augmentation).inputs(inputs)
-        return inputs
+        """Trainer's device placement; then, for a device-augmentation batch (``images``, ``view_params``),
+        the two views made on the model's device (uint8 images and parameters copied without blocking)."""
+        if "view_params" not in inputs:
+            return super()._prepare_inputs(inputs)
+        inputs = dict(inputs)
+        device = self.args.device
+        raw = {k: inputs.pop(k).to(device, non_blocking=True) for k in ("images", "view_params")}
+        if getattr(self, "_device_augmentation", None) is None:  # made once: its constants are cached per device
+            self._device_augmentation = DeviceAugmentation(self.train_dataset.augmentation)
+        return self._device_augmentation.inputs({**self._prepare_input(inputs), **raw})  # the rest may be empty
 
     def negatives_per_anchor(self) -> int:
         """Negatives each anchor will see once training runs (MoCo: with a full queue); see

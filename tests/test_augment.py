@@ -64,19 +64,25 @@ def test_resized_crops_equal_torchvision_resized_crop_on_mixed_sizes():
         torch.testing.assert_close(view, ref)
 
 
+def draw(n, generator, height=8, width=8, **overrides):
+    """One view's parameters (n, P) with MoCo v2's settings unless overridden."""
+    settings = dict(crop_scale=(0.2, 1.0), jitter_strength=0.4, jitter_p=0.8, grayscale_p=0.2, blur_p=0.5, flip_p=0.5)
+    return augment.draw_params(n, height, width, generator, **{**settings, **overrides})
+
+
 def test_color_jitter_equals_torchvision_adjustments_with_the_drawn_factors():
     n, s, p = 12, 0.4, 0.6
     x = torch.rand(n, 3, 10, 14, generator=torch.Generator().manual_seed(2))
-    out = augment.color_jitter(x, s, p, generator=torch.Generator().manual_seed(3))
-    g = torch.Generator().manual_seed(3)  # the draws, in their order: apply, brightness, contrast, saturation, hue
-    apply = torch.rand(n, generator=g) < p
-    b, c, sat = (torch.rand(n, generator=g) * 2 * s + 1 - s for _ in range(3))
-    hue = (torch.rand(n, generator=g) * s / 2 - s / 4) * 2 * math.pi
+    params = draw(n, torch.Generator().manual_seed(3), jitter_strength=s, jitter_p=p)
+    out = augment.color_jitter(x, params)
+    apply = params[:, augment.JITTER] > 0
+    b, c, sat, hue = (params[:, i] for i in (augment.BRIGHTNESS, augment.CONTRAST, augment.SATURATION, augment.HUE))
     yiq = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
     assert 0 < apply.sum() < n
     for i in range(n):
         if not apply[i]:
             assert torch.equal(out[i], x[i])
+            assert (b[i], c[i], sat[i], hue[i]) == (1, 1, 1, 0)  # identity parameters where jitter does not apply
             continue
         y = TF.adjust_saturation(TF.adjust_contrast(TF.adjust_brightness(x[i], b[i].item()), c[i].item()), sat[i].item())
         cos, sin = math.cos(hue[i]), math.sin(hue[i])
@@ -87,39 +93,95 @@ def test_color_jitter_equals_torchvision_adjustments_with_the_drawn_factors():
 
 def test_jitter_factor_ranges_and_rate_are_torchvision_colorjitter():
     n, s = 20000, 0.4
-    g = torch.Generator().manual_seed(0)
+    params = draw(n, torch.Generator().manual_seed(0), jitter_strength=s, jitter_p=0.8)
     x = torch.full((n, 3, 1, 1), 0.5)
     x[:, 1] = 0.25  # a coloured pixel: brightness then changes its value by the factor
-    out = augment.color_jitter(x, s, 0.8, generator=g)
+    out = augment.color_jitter(x, params)
     changed = (out != x).flatten(1).any(1)
     assert abs(changed.float().mean().item() - 0.8) < 0.015  # RandomApply p=0.8
-    jitter = ColorJitter(s, s, s, s / 4)  # the ranges the reference test above draws from are torchvision's
-    for lo_hi in (jitter.brightness, jitter.contrast, jitter.saturation):
-        assert tuple(lo_hi) == pytest.approx((1 - s, 1 + s))
-    assert tuple(jitter.hue) == pytest.approx((-s / 4, s / 4))
+    applied = params[:, augment.JITTER] > 0
+    assert torch.equal(changed, applied)
+    jitter = ColorJitter(s, s, s, s / 4)  # the factors are uniform over torchvision's ranges
+    ranges = (jitter.brightness, jitter.contrast, jitter.saturation, jitter.hue)
+    for column, (lo, hi) in zip((augment.BRIGHTNESS, augment.CONTRAST, augment.SATURATION, augment.HUE), ranges,
+                                strict=True):
+        drawn = params[applied, column].numpy()
+        if column == augment.HUE:
+            drawn = drawn / (2 * math.pi)  # radians -> torchvision's fraction of a turn
+        uniform = np.random.default_rng(column).uniform(lo, hi, 5000)
+        assert lo <= drawn.min() and drawn.max() <= hi and ks_statistic(drawn, uniform) < 0.03
 
 
 def test_blur_equals_torchvision_gaussian_blur_with_the_drawn_sigma():
     n, k = 6, 7
     x = torch.rand(n, 3, 16, 20, generator=torch.Generator().manual_seed(4))
-    out = augment.gaussian_blur(x, k, (0.1, 2.0), 0.5, generator=torch.Generator().manual_seed(9))
-    g = torch.Generator().manual_seed(9)
-    apply = torch.rand(n, generator=g) < 0.5
-    sigma = torch.rand(n, generator=g) * 1.9 + 0.1
+    params = draw(n, torch.Generator().manual_seed(9), blur_p=0.5)
+    out = augment.gaussian_blur(x, params, k)
+    sigma = params[:, augment.SIGMA]
+    assert 0 < (sigma > 0).sum() < n
     for i in range(n):
-        ref = TF.gaussian_blur(x[i], [k, k], [sigma[i].item()] * 2) if apply[i] else x[i]
-        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+        if sigma[i] == 0:  # not blurred: the delta kernel returns the image bit for bit
+            assert torch.equal(out[i], x[i])
+            continue
+        torch.testing.assert_close(out[i], TF.gaussian_blur(x[i], [k, k], [sigma[i].item()] * 2), atol=1e-5, rtol=1e-5)
+
+
+def test_blur_rate_and_sigma_range():
+    sigma = draw(20000, torch.Generator().manual_seed(1), blur_p=0.5)[:, augment.SIGMA].numpy()
+    assert abs((sigma > 0).mean() - 0.5) < 0.015
+    blurred = sigma[sigma > 0]
+    assert ks_statistic(blurred, np.random.default_rng(0).uniform(0.1, 2.0, 5000)) < 0.03  # GaussianBlur's sigma
 
 
 def test_flip_and_grayscale_rates():
-    x = torch.rand(8000, 3, 1, 2, generator=torch.Generator().manual_seed(0))
-    flipped = augment.random_flip(x, 0.5, generator=torch.Generator().manual_seed(1))
-    is_flipped = (flipped == x.flip(-1)).flatten(1).all(1)
+    """On the fixed-size path (flip in the sampling grid, grayscale by torch.where), whole-image crops."""
+    n = 8000
+    x = torch.randint(0, 256, (n, 3, 3, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    augmentation = TwoViewAugmentation(image_size=4, crop_scale=(1.0, 1.0), jitter_p=0, blur_p=0, grayscale_p=0.2,
+                                       flip_p=0.5, mean=(0, 0, 0), std=(1, 1, 1))
+    params = augmentation.view_params(n, 4, 4, torch.Generator().manual_seed(1))  # (n, 2, P)
+    square = torch.cat([x, x[:, :, :1]], 2)  # (n, 3, 4, 4)
+    view, _ = augmentation.views(square, params)
+    pixels = square.float() / 255
+    is_gray = (view[:, 0] == view[:, 1]).flatten(1).all(1) & (view[:, 1] == view[:, 2]).flatten(1).all(1)
+    target = torch.where(is_gray.view(-1, 1, 1, 1), TF.rgb_to_grayscale(pixels, num_output_channels=3), pixels)
+    is_flipped = ((view - target.flip(-1)).abs() < 1e-4).flatten(1).all(1)
     assert abs(is_flipped.float().mean().item() - 0.5) < 0.03
-    gray = augment.random_grayscale(x, 0.2, generator=torch.Generator().manual_seed(1))
-    is_gray = (gray[:, 0] == gray[:, 1]).flatten(1).all(1) & (gray[:, 1] == gray[:, 2]).flatten(1).all(1)
     assert abs(is_gray.float().mean().item() - 0.2) < 0.02
-    torch.testing.assert_close(gray[is_gray], TF.rgb_to_grayscale(x[is_gray], num_output_channels=3))
+    as_drawn = torch.where(is_flipped.view(-1, 1, 1, 1), target.flip(-1), target)
+    torch.testing.assert_close(view, as_drawn, atol=1e-4, rtol=0)  # every view: its image, flipped or not, gray or not
+    assert (is_gray & is_flipped).any() and (is_gray & ~is_flipped).any()
+
+
+def test_crop_scale_of_the_drawn_parameters_follows_torchvision():
+    ours = draw(3000, torch.Generator().manual_seed(0), 256, 256)[:, :4]
+    torch.manual_seed(0)
+    ref = torch.tensor([RandomResizedCrop.get_params(torch.zeros(1, 256, 256), (0.2, 1.0), (3 / 4, 4 / 3))
+                        for _ in range(3000)], dtype=torch.float32)  # (n, 4) as top, left, h, w
+    area = lambda w, h: (w * h / 256**2).numpy()  # noqa: E731
+    assert ks_statistic(area(ours[:, 2] - ours[:, 0], ours[:, 3] - ours[:, 1]), area(ref[:, 3], ref[:, 2])) < 0.05
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_batched_crop_equals_torchvision_resized_crop_inside_the_box(flip):
+    """One grid_sample for the batch against torchvision's per-image crop + bilinear resize
+    (antialias off): equal at every output pixel whose sample lies inside the box (torchvision
+    clamps at the box's edge, the batched crop reads the image's pixels beyond it)."""
+    g = torch.Generator().manual_seed(3)
+    images = torch.randint(0, 256, (5, 3, 36, 36), dtype=torch.uint8, generator=g)
+    params = draw(5, g, 36, 36, flip_p=1.0 if flip else 0.0)
+    out = augment.resized_crop(images, params, 32) * 255  # (5, 3, 32, 32)
+    for image, p, view in zip(images, params, out, strict=True):
+        x1, y1, x2, y2 = (int(v) for v in p[:4])
+        ref = TF.resized_crop(image.float(), y1, x1, y2 - y1, x2 - x1, [32, 32], antialias=False)
+        ref = ref.flip(-1) if flip else ref
+        sx = (torch.arange(32) + 0.5) * (x2 - x1) / 32 - 0.5  # source coordinates inside the box
+        sy = (torch.arange(32) + 0.5) * (y2 - y1) / 32 - 0.5
+        inside_x = (sx >= 0) & (sx <= x2 - x1 - 1)
+        inside_x = inside_x.flip(0) if flip else inside_x
+        inside = ((sy >= 0) & (sy <= y2 - y1 - 1)).view(-1, 1) & inside_x.view(1, -1)  # (32, 32)
+        assert inside.float().mean() > 0.8
+        torch.testing.assert_close(view[:, inside], ref[:, inside], atol=2e-3, rtol=0)
 
 
 def test_batch_of_mixed_sizes_uses_each_images_own_crop():

@@ -111,3 +111,56 @@ def test_too_few_shards_or_no_max_steps_fail_before_training(digits, tmp_path):
         stream = datasets.load_dataset("webdataset", data_files={"train": resolve_shards(str(data / "*.tar"))},
                                        split="train", streaming=True)
         StreamingTwoViewDataset(split_dataset_by_node(stream, rank=0, world_size=2), TwoViewAugmentation())
+
+
+class PidRecordingStream(StreamingTwoViewDataset):
+    """Adds the process id of the worker that made each batch."""
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            batch["pid"] = torch.tensor(os.getpid())
+            yield batch
+
+
+def test_workers_persist_across_epochs_and_batches_stay_in_order(digits, tmp_path):
+    data = shards(digits, tmp_path, images=32, per_shard=8)  # 4 shards: 2 workers x 2 shards of 8, batch 4
+    files = resolve_shards(str(data / "*.tar"))
+    stream = datasets.load_dataset("webdataset", data_files={"train": files}, split="train", streaming=True)
+    ds = PidRecordingStream(stream, TwoViewAugmentation.small_images(16), shard_sizes=read_shard_sizes(files),
+                            return_keys=True).configure(batch_size=4, num_workers=2, device_augmentation=True)
+    loader = ds.loader()
+    epochs = [list(loader) for _ in range(3)]
+    assert [len(e) for e in epochs] == [ds.batches_per_epoch(e) for e in range(3)] == [8, 8, 8]
+    pids = {int(b["pid"]) for e in epochs for b in e}
+    assert len(pids) == 2 and os.getpid() not in pids  # the same two worker processes in every epoch
+    assert loader.iterators_created == 1
+    for epoch in epochs:  # each epoch still reads every sample once, in a new order
+        keys = [k for b in epoch for k in b["__key__"]]
+        assert sorted(keys) == [f"{i:09d}" for i in range(32)]
+    assert [k for b in epochs[0] for k in b["__key__"]] != [k for b in epochs[1] for k in b["__key__"]]
+    assert ds.state_dict()["epoch"] == 3 and ds.state_dict()["batches"] == 0
+    fresh = StreamingTwoViewDataset(stream, TwoViewAugmentation.small_images(16), shard_sizes=read_shard_sizes(files),
+                                    return_keys=True).configure(batch_size=4, num_workers=2, device_augmentation=True)
+    fresh.load_state_dict({**ds.state_dict(), "epoch": 2, "batches": 1})  # a resumed run: new workers, same batches
+    resumed = list(fresh.loader())
+    assert [b["__key__"] for b in resumed] == [b["__key__"] for b in epochs[2][1:]]
+    assert all(torch.equal(a["view_params"], b["view_params"]) for a, b in zip(resumed, epochs[2][1:], strict=True))
+    loader.close()
+
+
+def test_an_abandoned_pass_frees_the_workers_and_the_next_resumes_in_order(digits, tmp_path):
+    data = shards(digits, tmp_path, images=32, per_shard=8)
+    files = resolve_shards(str(data / "*.tar"))
+    stream = datasets.load_dataset("webdataset", data_files={"train": files}, split="train", streaming=True)
+    ds = StreamingTwoViewDataset(stream, TwoViewAugmentation.small_images(16), shard_sizes=read_shard_sizes(files),
+                                 return_keys=True).configure(batch_size=4, num_workers=2, device_augmentation=True)
+    loader = ds.loader()
+    whole = [b["__key__"] for b in loader]  # epoch 0
+    passes = iter(loader)  # epoch 1, stopped after 3 batches (as the trainer at max_steps)
+    first = [next(passes)["__key__"] for _ in range(3)]
+    passes.close()
+    assert loader._iterator is None and ds.state_dict()["batches"] == 3  # workers shut down, position kept
+    rest = [b["__key__"] for b in loader]
+    assert len(first + rest) == len(whole) and sorted(k for b in first + rest for k in b) == sorted(
+        k for b in whole for k in b)
+    assert loader.iterators_created == 2

@@ -171,6 +171,7 @@ TRAINING_DEFAULTS = dict(
     dataloader_pin_memory=torch.cuda.is_available(),  # pinning helps only host-to-accelerator copies
     seed=0,
     disable_tqdm=False,
+    device_augmentation=None,  # auto: on when training on CUDA (the views made batched on the GPU); the flag overrides
 )
 
 
@@ -286,10 +287,18 @@ def build_model(args: ModelArguments, image_size: int):
     return SimCLRModel(SimCLRConfig(**common))
 
 
+def device_augmentation_default(training_args) -> bool:
+    """``--device_augmentation`` when not given: on when the run trains on CUDA (the workers only decode
+    and resize, the views are made batched on the GPU), off on the CPU (the workers augment)."""
+    return torch.cuda.is_available() and not training_args.use_cpu
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = HfArgumentParser((ModelArguments, DataArguments, ContrastiveTrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.device_augmentation is None:  # not given on the command line
+        training_args.device_augmentation = device_augmentation_default(training_args)
     if training_args.dataloader_num_workers == 0:  # the default persistent_workers needs workers
         training_args.dataloader_persistent_workers = False
     # The Trainer's own push would upload the full checkpoint (and every saved checkpoint): we push
