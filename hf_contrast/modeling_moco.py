@@ -139,9 +139,9 @@ class MoCoModel(ContrastivePreTrainedModel):
         splits = self.config.key_bn_splits
         if splits == 1:
             return F.normalize(self.key_projector(self.key_encoder(x)).float(), dim=1)  # (B, D)
-        perm = torch.randperm(x.shape[0], device=x.device)  # (B,) sub-batch k holds rows perm[k::S]
+        perm = torch.randperm(x.shape[0], device=x.device)  # (B,) sub-batch k: rows perm[k * B / S : (k + 1) * B / S]
         with split_batch_norm([self.key_encoder, self.key_projector], splits):
-            k = self.key_projector(self.key_encoder(x[perm]))  # (B, D) in shuffled order
+            k = self.key_projector(self.key_encoder(x[perm]))  # (B, D) in shuffled order (x[perm] keeps channels_last)
         return F.normalize(k.float(), dim=1)[torch.argsort(perm)]  # (B, D) back in the query's order
 
     def forward(
