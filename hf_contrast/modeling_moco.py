@@ -14,7 +14,7 @@ from .configuration import MoCoConfig
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
 from .losses import contrastive_loss, info_nce_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
-from .momentum import ema_update_
+from .momentum import model_ema_update_
 from .queue import NegativeQueue, upgrade_legacy_queue_state
 from .split_batch_norm import convert_split_batch_norm, split_batch_norm
 
@@ -100,7 +100,7 @@ class MoCoModel(ContrastivePreTrainedModel):
     def momentum_update(self, momentum: float) -> None:
         """``theta_k <- momentum * theta_k + (1 - momentum) * theta_q`` for every key-side parameter
         (one fused foreach update). Call once per optimizer step; BatchNorm buffers are not averaged."""
-        ema_update_(self.key_parameters(), self.query_parameters(), momentum)
+        model_ema_update_(self, momentum)
 
     @torch.no_grad()
     def enqueue(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,

@@ -15,7 +15,7 @@ from .configuration import MoCoV3Config
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
 from .losses import contrastive_loss, mocov3_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
-from .momentum import ema_update_
+from .momentum import model_ema_update_
 from .queue import NegativeQueue
 
 
@@ -130,7 +130,7 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         """``theta_k <- momentum * theta_k + (1 - momentum) * theta_q`` for every momentum-side parameter
         (one fused foreach update), as :meth:`hf_contrast.MoCoModel.momentum_update`. Call once per
         optimizer step; BatchNorm buffers are not averaged."""
-        ema_update_(self.key_parameters(), self.query_parameters(), momentum)
+        model_ema_update_(self, momentum)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         return self.predictor(self.projector(self.encoder(x)))  # (N, D)
