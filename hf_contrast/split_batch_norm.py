@@ -5,7 +5,8 @@ the query's batch. MoCo's single-GPU demo instead normalises the key batch in su
 ``SplitBatchNorm``). Here sub-batch ``k`` of S is the contiguous rows ``k * N / S ... (k + 1) * N / S - 1``
 of the (shuffled) key batch: ``x.unflatten(0, (S, N / S))`` is a view in NCHW and channels_last
 alike, ``var_mean`` over it gives ``(S, C)`` statistics, and one broadcast ``addcmul`` normalises and
-applies the layer's own affine parameters. No copy of the activation, no per-layer repeat of the
+applies the layer's own affine parameters (on the CPU, whose ``var_mean`` is slow, the statistics come
+from two fp32 passes: the mean, then the mean square of ``x - mean``). No copy of the activation, no per-layer repeat of the
 parameters, no host read (``momentum=None`` uses ``num_batches_tracked`` on the device), static shapes:
 ``torch.compile`` traces it without a graph break. The running statistics are updated as MoCo's
 ``SplitBatchNorm`` does: with the mean over the sub-batches of each one's mean and unbiased variance.
@@ -26,15 +27,26 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# Devices whose statistics take two passes (mean, then mean square of x - mean) instead of one var_mean:
+# the CPU's var_mean over these dimensions is a scalar Welford loop, several times slower.
+TWO_PASS_DEVICES = {"cpu"}
+
 
 def split_batch_norm_train(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor, splits: int) -> torch.Tensor:
     """Training-mode BatchNorm of ``x`` ``(N, C, ...)`` with statistics per contiguous sub-batch of ``N / splits``
     rows; updates ``bn``'s running statistics as MoCo's ``SplitBatchNorm``. Output in ``x``'s memory format."""
     n, c = x.shape[0], x.shape[1]
     xs = x.unflatten(0, (splits, n // splits))  # (S, N/S, C, ...): a view in any memory format
-    var, mean = torch.var_mean(xs, dim=[1, *range(3, xs.ndim)], correction=0)  # (S, C) each, biased
-    if var.dtype != torch.float32:  # low-precision input: stats accumulate in fp32 inside var_mean
-        var, mean = var.float(), mean.float()
+    dims = [1, *range(3, xs.ndim)]  # all but the sub-batch and the channel
+    if xs.device.type in TWO_PASS_DEVICES:
+        mean = xs.mean(dims, dtype=torch.float32, keepdim=True)  # (S, 1, C, 1...)
+        centred = xs - mean  # (S, N/S, C, ...) fp32, a temporary
+        var = (centred * centred).mean(dims)  # (S, C) biased, two-pass: no cancellation
+        mean = mean.view(splits, c)  # (S, C)
+    else:  # one Welford pass, fp32 accumulation
+        var, mean = torch.var_mean(xs, dim=dims, correction=0)  # (S, C) each, biased
+        if var.dtype != torch.float32:  # low-precision input: the stats were accumulated in fp32
+            var, mean = var.float(), mean.float()
     scale = torch.rsqrt(var + bn.eps)  # (S, C)
     if bn.weight is not None:
         scale = scale * bn.weight  # (S, C)
