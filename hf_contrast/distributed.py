@@ -97,6 +97,20 @@ def barrier() -> None:
         dist.barrier()
 
 
+def non_finite_flags(value: torch.Tensor) -> torch.Tensor:
+    """``(W,)`` float32 on ``value``'s device, agreed by all processes: slot r is 1.0 when process r's
+    ``value`` holds a NaN or inf. One all-reduce of a ``(W,)`` vector and no host read: the training step can
+    use ``flags.sum() == 0`` as the ``accept`` of :meth:`hf_contrast.MoCoModel.enqueue` (the same on every
+    process, so the queues stay identical) and accumulate ``flags`` to read once at a logging step."""
+    bad = (~torch.isfinite(value.detach())).any().to(torch.float32)  # () 1.0 if this process has NaN/inf
+    if not is_distributed():
+        return bad.reshape(1)  # (1,)
+    flags = torch.zeros(world_size(), device=value.device)  # (W,)
+    flags[rank()] = bad
+    dist.all_reduce(flags)  # (W,) slot r = 1 where process r is non-finite
+    return flags
+
+
 def non_finite_ranks(value: torch.Tensor) -> list[int]:
     """The processes whose ``value`` holds a NaN or inf, agreed by all processes.
 
@@ -105,10 +119,4 @@ def non_finite_ranks(value: torch.Tensor) -> list[int]:
     finiteness check needs anyway. Every process gets the same list, so all of them can stop at the
     same step instead of the healthy ones hanging in the next collective.
     """
-    bad = (~torch.isfinite(value.detach())).any().to(torch.float32)  # () 1.0 if this process has NaN/inf
-    if not is_distributed():
-        return [0] if bool(bad) else []
-    flags = torch.zeros(world_size(), device=value.device)  # (W,)
-    flags[rank()] = bad
-    dist.all_reduce(flags)  # (W,) slot r = 1 where process r is non-finite
-    return [r for r, f in enumerate(flags.tolist()) if f > 0]
+    return [r for r, f in enumerate(non_finite_flags(value).tolist()) if f > 0]

@@ -108,3 +108,15 @@ def test_compiled_as_trainer_does_keeps_names_for_ema_and_checkpoints():
     for got, want in zip(model.key_parameters(), reference.key_parameters(), strict=True):
         assert torch.equal(got, want)
     assert torch.equal(model.queue.keys, accelerator.unwrap_model(compiled).queue.keys)
+
+
+def test_non_finite_flags_are_read_on_the_device_only():
+    from hf_contrast import distributed
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ok = distributed.non_finite_flags(torch.tensor(1.5))
+        bad = distributed.non_finite_flags(torch.tensor([1.0, float("nan")]))
+        accept = ok.sum() == 0  # what the trainer can pass to enqueue(accept=)
+    assert not any(e.name == "aten::_local_scalar_dense" for e in prof.events())
+    assert ok.tolist() == [0.0] and bad.tolist() == [1.0] and accept.item() is True
+    assert distributed.non_finite_ranks(torch.tensor(float("inf"))) == [0]

@@ -91,6 +91,10 @@ def test_ids_survive_save_and_load(tmp_path):
     loaded = MoCoModel.from_pretrained(tmp_path)
     assert loaded.queue.instance_ids.tolist() == m.queue.instance_ids.tolist()
     assert (loaded.queue_ptr, loaded.queue_filled) == (5, 5) and torch.equal(loaded.queue.keys, m.queue.keys)
+    assert torch.equal(loaded.queue.slots, torch.arange(12))  # not in the checkpoint: rebuilt after loading
+    assert loaded.queue.valid().tolist() == [True] * 5 + [False] * 7
+    x1, x2 = views()
+    torch.testing.assert_close(loaded.eval()(x1, x2).loss, m.eval()(x1, x2).loss)
     fresh = moco()
     fresh.load_state_dict(load_file(tmp_path / "model.safetensors"))  # the host ints follow the buffers
     assert (fresh.queue_ptr, fresh.queue_filled) == (5, 5) and fresh.queue.entry_steps[:5].tolist() == [3] * 5
