@@ -23,13 +23,21 @@ def rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous for a collective, keeping channels_last (no copy when it already is)."""
+    if x.ndim == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    return x.contiguous()
+
+
 @torch.no_grad()
 def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
     """Concatenate ``x`` ``(B, ...)`` of all processes in rank order -> ``(B * W, ...)``, detached."""
     if not is_distributed():
         return x.detach()
+    x = _dense(x.detach())
     parts = [torch.empty_like(x) for _ in range(world_size())]
-    dist.all_gather(parts, x.detach().contiguous())
+    dist.all_gather(parts, x)
     return torch.cat(parts)
 
 
