@@ -166,9 +166,9 @@ class MoCoV3Model(ContrastivePreTrainedModel):
             without a queue or masks. With a queue or ``false_negatives`` the masked logits (unused slots,
             same-instance queued keys, cancelled candidates) are ``-inf``, ``num_negatives`` is a 0-d tensor,
             the mean per query after masking (``M - 1 + K_filled`` when nothing else is masked), and
-            ``negative_counts`` (and with cancellation ``false_negatives_removed``) are ``(2N,)``. With a queue, ``queue_keys`` ``(2N, D)`` holds
-            this process's normalised keys of view 2, then view 1, for :meth:`enqueue`, and
-            ``queue_instance_ids`` ``(2N,)`` their ids.
+            ``negative_counts`` (and with cancellation ``false_negatives_removed``) are ``(2N,)``. With a
+            queue, ``queue_keys`` ``(2N, D)`` holds this process's normalised keys of view 2, then view 1,
+            for :meth:`enqueue`, and ``queue_instance_ids`` ``(2N,)`` their ids.
         """
         if pixel_values_2 is None:
             raise ValueError("MoCoV3Model.forward needs two views: pass pixel_values and pixel_values_2")
@@ -214,7 +214,7 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         false-negative cancellation over in-batch and queued keys. The support set of a query is the
         query and its own key ``k_own (N, D)``, as in MoCo (see :mod:`hf_contrast.false_negatives`).
         Returns ``(logits, labels, positive_mask, negatives, kept, removed)``; the last four are None
-        when nothing can be masked (``removed`` also without cancellation)."""
+        without a queue and without cancellation (``positive_mask`` and ``removed`` without cancellation)."""
         logits, labels = mocov3_logits(q, keys, self.config.temperature, rank, queue, valid)  # (N, M + K), (N,)
         exclude = (self.config.exclude_same_instance and queue is not None and instance_ids is not None)
         if self.config.false_negatives is None and queue is None:
