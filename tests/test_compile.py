@@ -84,17 +84,17 @@ def test_compiled_as_trainer_does_keeps_names_for_ema_and_checkpoints():
     """Trainer's ``torch_compile=True`` hands a ``TorchDynamoPlugin`` to accelerate, whose ``prepare_model``
     wraps the whole model in ``torch.compile``; Trainer keeps the plain model as ``self.model`` (the
     momentum callback's and ``save_pretrained``'s) and ``unwrap_model`` reaches it."""
-    from accelerate import Accelerator
-    from accelerate.utils import TorchDynamoPlugin
+    from accelerate.utils import TorchDynamoPlugin, extract_model_from_parallel
 
     model = build("moco")
     names = list(model.state_dict())
-    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", fullgraph=True))
-    compiled = accelerator.prepare_model(model)
+    # what Accelerator.prepare_model does with the plugin (the Accelerator itself is a process-wide singleton)
+    compiled = torch.compile(model, **TorchDynamoPlugin(backend="eager", fullgraph=True).to_kwargs())
     assert compiled is not model and compiled._orig_mod is model
+    unwrap = extract_model_from_parallel  # Accelerator.unwrap_model
     for step in range(2):
-        train_step(compiled, accelerator.unwrap_model(compiled), step)  # the trainer enqueues on unwrap_model
-    plain = accelerator.unwrap_model(compiled, keep_torch_compile=False)
+        train_step(compiled, unwrap(compiled), step)  # the trainer enqueues on unwrap_model(model)
+    plain = unwrap(compiled, keep_torch_compile=False)
     assert plain is model and list(plain.state_dict()) == names  # no "_orig_mod." prefix
     assert all(not n.startswith("_orig_mod.") for n in plain.state_dict())
     reference = copy.deepcopy(model)
@@ -103,11 +103,11 @@ def test_compiled_as_trainer_does_keeps_names_for_ema_and_checkpoints():
             p.add_(0.5)
         for p in reference.query_parameters():
             p.add_(0.5)
-    accelerator.unwrap_model(compiled).momentum_update(0.9)  # through the compiled wrapper's attribute lookup
+    unwrap(compiled).momentum_update(0.9)  # through the compiled wrapper's attribute lookup
     reference.momentum_update(0.9)
     for got, want in zip(model.key_parameters(), reference.key_parameters(), strict=True):
         assert torch.equal(got, want)
-    assert torch.equal(model.queue.keys, accelerator.unwrap_model(compiled).queue.keys)
+    assert torch.equal(model.queue.keys, unwrap(compiled).queue.keys)
 
 
 def test_non_finite_flags_are_read_on_the_device_only():
