@@ -6,7 +6,8 @@ step (+ enqueue and EMA for MoCo). Printed as ratios to the supervised step next
 MoCo 4/3 (one extra forward of the key encoder, a forward costing about 1/3 of forward+backward),
 SimCLR 2 (two views forward and backward). Targets: MoCo <= 1.40, SimCLR <= 2.10, and MoCo with
 one-process split-BN (``key_bn_splits=4``, MoCoConfig's default) within 3% of MoCo without it: the
-split is a reshape inside each BatchNorm of ONE key forward, not a forward per sub-batch.
+split is a view inside each BatchNorm of ONE key forward (statistics over ``x.unflatten(0, (S, N / S))``),
+not a forward per sub-batch. ``benchmarks/split_bn.py`` compares that key forward alone, old and new.
 
     python benchmarks/step_time.py                      # resnet18, 256 images at 32x32
     python benchmarks/step_time.py --backbone resnet50 --image_size 64 --batch_size 64
@@ -35,7 +36,7 @@ def supervised_step(model, head, opt, x, y):
 def moco_step(model, opt, x1, x2):
     out = model(x1, x2)
     out.loss.backward()
-    model.enqueue(out.queue_keys)
+    model.enqueue(out.queue_keys, check_finite=False, accept=torch.isfinite(out.loss))  # as the trainer: no sync
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.momentum_update(0.99)

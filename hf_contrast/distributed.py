@@ -23,13 +23,21 @@ def rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous for a collective, keeping channels_last (no copy when it already is)."""
+    if x.ndim == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    return x.contiguous()
+
+
 @torch.no_grad()
 def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
     """Concatenate ``x`` ``(B, ...)`` of all processes in rank order -> ``(B * W, ...)``, detached."""
     if not is_distributed():
         return x.detach()
+    x = _dense(x.detach())
     parts = [torch.empty_like(x) for _ in range(world_size())]
-    dist.all_gather(parts, x.detach().contiguous())
+    dist.all_gather(parts, x)
     return torch.cat(parts)
 
 
@@ -97,6 +105,20 @@ def barrier() -> None:
         dist.barrier()
 
 
+def non_finite_flags(value: torch.Tensor) -> torch.Tensor:
+    """``(W,)`` float32 on ``value``'s device, agreed by all processes: slot r is 1.0 when process r's
+    ``value`` holds a NaN or inf. One all-reduce of a ``(W,)`` vector and no host read: the training step can
+    use ``flags.sum() == 0`` as the ``accept`` of :meth:`hf_contrast.MoCoModel.enqueue` (the same on every
+    process, so the queues stay identical) and accumulate ``flags`` to read once at a logging step."""
+    bad = (~torch.isfinite(value.detach())).any().to(torch.float32)  # () 1.0 if this process has NaN/inf
+    if not is_distributed():
+        return bad.reshape(1)  # (1,)
+    flags = torch.zeros(world_size(), device=value.device)  # (W,)
+    flags[rank()] = bad
+    dist.all_reduce(flags)  # (W,) slot r = 1 where process r is non-finite
+    return flags
+
+
 def non_finite_ranks(value: torch.Tensor) -> list[int]:
     """The processes whose ``value`` holds a NaN or inf, agreed by all processes.
 
@@ -105,10 +127,4 @@ def non_finite_ranks(value: torch.Tensor) -> list[int]:
     finiteness check needs anyway. Every process gets the same list, so all of them can stop at the
     same step instead of the healthy ones hanging in the next collective.
     """
-    bad = (~torch.isfinite(value.detach())).any().to(torch.float32)  # () 1.0 if this process has NaN/inf
-    if not is_distributed():
-        return [0] if bool(bad) else []
-    flags = torch.zeros(world_size(), device=value.device)  # (W,)
-    flags[rank()] = bad
-    dist.all_reduce(flags)  # (W,) slot r = 1 where process r is non-finite
-    return [r for r, f in enumerate(flags.tolist()) if f > 0]
+    return [r for r, f in enumerate(non_finite_flags(value).tolist()) if f > 0]

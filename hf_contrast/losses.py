@@ -81,7 +81,8 @@ def nt_xent_loss(z_a: torch.Tensor, z_b: torch.Tensor, temperature: float, **gat
 
 
 def info_nce_logits(
-    query: torch.Tensor, key: torch.Tensor, negatives: torch.Tensor, temperature: float
+    query: torch.Tensor, key: torch.Tensor, negatives: torch.Tensor, temperature: float,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and labels of MoCo's InfoNCE: the positive in column 0, then the K negatives.
 
@@ -90,6 +91,8 @@ def info_nce_logits(
         key: their positive keys, shape ``(N, D)``.
         negatives: the negative keys (MoCo's queue), shape ``(K, D)``; K may be 0.
         temperature: softmax temperature, > 0.
+        valid: ``(K,)`` bool, which rows of ``negatives`` are real keys (a partly filled queue); the
+            columns of the others are ``-inf``, so they take no part in any softmax. ``None``: all.
 
     Returns:
         ``(logits, labels)``: float32 logits ``(N, 1 + K)`` and zeros ``(N,)``.
@@ -100,6 +103,8 @@ def info_nce_logits(
         neg = _fp32_normalize(negatives)  # (K, D)
         l_pos = torch.einsum("nd,nd->n", q, k).unsqueeze(-1)  # positive logits: (N, 1)
         l_neg = torch.einsum("nd,kd->nk", q, neg)  # negative logits: (N, K)
+        if valid is not None:
+            l_neg = l_neg.masked_fill(~valid, float("-inf"))  # (N, K) unused queue slots
         logits = torch.cat([l_pos, l_neg], dim=1) / temperature  # (N, 1 + K)
     labels = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
     return logits, labels
@@ -144,9 +149,8 @@ def debiased_contrastive_loss(
         raise ValueError(f"tau_plus={tau_plus!r} is invalid: tau_plus must be in [0, 1) (0.1 in the paper)")
     with _no_autocast(logits):
         logits = logits.float()
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        pos_logit = logits[rows, labels]  # (A,)
-        neg = logits.index_put((rows, labels), torch.tensor(float("-inf"), device=logits.device))  # (A, C)
+        pos_logit = logits.gather(1, labels.unsqueeze(1)).squeeze(1)  # (A,)
+        neg = logits.scatter(1, labels.unsqueeze(1), float("-inf"))  # (A, C) without the positive (no host tensor)
         n = (neg > float("-inf")).sum(1).to(logits.dtype)  # (A,) negatives per anchor
         shift = torch.maximum(pos_logit, neg.amax(1)).detach()  # (A,) for a stable exp
         pos = torch.exp(pos_logit - shift)  # (A,) exp(s+/t), scaled by exp(-shift)
@@ -194,6 +198,7 @@ def contrastive_loss(
 
 def mocov3_logits(
     query: torch.Tensor, keys: torch.Tensor, temperature: float, rank: int = 0, queue: torch.Tensor | None = None,
+    queue_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and labels of MoCo v3's ``ctr(q, k)``: each local query against every key of the batch.
 
@@ -205,17 +210,20 @@ def mocov3_logits(
         rank: index of this process; query ``i`` is the image of key ``rank * N + i``.
         queue: queued keys of earlier steps ``(K, D)`` (``MoCoV3Config.queue_size > 0``), appended as
             ``K`` extra negative columns; ``None``: the official in-batch ``ctr``.
+        queue_valid: ``(K,)`` bool, which queue rows are real keys; the others' columns are ``-inf``.
 
     Returns:
         ``(logits, labels)``: float32 logits ``(N, M)`` (``(N, M + K)`` with a queue) and the positive's
         column ``(N,)``; every other column is a negative.
     """
-    with torch.autocast(device_type=query.device.type, enabled=False):
+    with _no_autocast(query):
         q = _fp32_normalize(query)  # (N, D)
         k = _fp32_normalize(keys)  # (M, D)
         logits = torch.einsum("nd,md->nm", q, k) / temperature  # (N, M)
         if queue is not None:  # normalised into a new tensor: enqueuing in place later cannot touch autograd
             l_queue = torch.einsum("nd,kd->nk", q, _fp32_normalize(queue)) / temperature  # (N, K)
+            if queue_valid is not None:
+                l_queue = l_queue.masked_fill(~queue_valid, float("-inf"))  # (N, K) unused queue slots
             logits = torch.cat([logits, l_queue], dim=1)  # (N, M + K)
     n = q.shape[0]
     labels = torch.arange(n, device=q.device) + rank * n  # (N,) this process's images among the M keys

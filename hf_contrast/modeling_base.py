@@ -24,11 +24,13 @@ class ContrastiveOutput(ModelOutput):
         queue_keys: MoCo only: L2-normalised keys to enqueue after the loss, ``(B, D)``. (Not
             ``keys``: a ``ModelOutput`` is a dict, and a field named ``keys`` would shadow
             ``dict.keys``, which DDP's output handling calls.)
-        num_negatives: negatives per anchor actually used by this forward: an int when nothing is
-            masked, else a 0-d tensor, the mean per anchor after masking (same-instance keys, FNC).
-        negative_counts: ``(A,)`` non-positive candidates left in each row (``None``: all but the
-            positive and, SimCLR, the anchor itself); with ``false_negatives="attract"`` they include
-            the attracted candidates.
+        num_negatives: negatives per anchor actually used by this forward: an int when nothing can be
+            masked (SimCLR, MoCo v3 without a queue, without FNC), else a 0-d device tensor, the mean per
+            anchor after masking (unused queue slots, same-instance keys, FNC); always a tensor with a
+            queue (its fill count is on the device).
+        negative_counts: ``(A,)`` non-positive candidates left in each row, i.e. finite logits but the
+            positive's (``None``: all but the positive and, SimCLR, the anchor itself); with
+            ``false_negatives="attract"`` they include the attracted candidates. Always set with a queue.
         queue_instance_ids: MoCo only: instance ids ``(B,)`` of ``queue_keys`` (``None``: unknown).
         false_negatives_removed: ``(A,)`` candidates FNC took per anchor (``None`` when off).
     """

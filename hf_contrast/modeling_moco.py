@@ -14,7 +14,7 @@ from .configuration import MoCoConfig
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
 from .losses import contrastive_loss, info_nce_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
-from .momentum import ema_update_
+from .momentum import model_ema_update_
 from .queue import NegativeQueue, upgrade_legacy_queue_state
 from .split_batch_norm import convert_split_batch_norm, split_batch_norm
 
@@ -34,10 +34,13 @@ class MoCoModel(ContrastivePreTrainedModel):
             their instance ids and entry steps, pointer, fill count), all buffers.
         queue_ptr, queue_filled: the queue's pointer and fill count as host ints.
 
-    Only the filled part of the queue is used as negatives, so ``num_negatives`` is the true count
-    and the random vectors the official code starts from never act as negatives (on small data they
-    let the queries collapse onto one direction within a few steps). The forward never mutates the
-    queue: the trainer calls :meth:`enqueue` with ``outputs.queue_keys`` after the loss.
+    Only the filled slots of the queue act as negatives: the forward uses the whole ``(K, D)`` buffer
+    with the queue's validity mask (unused slots get ``-inf`` logits), so ``num_negatives`` (a 0-d
+    tensor) is the true count, the random vectors the official code starts from never act as negatives
+    (on small data they let the queries collapse onto one direction within a few steps), and the
+    shapes never change while the queue fills (no recompiles under ``torch.compile``, no host read).
+    The forward never mutates the queue: the trainer calls :meth:`enqueue` with ``outputs.queue_keys``
+    after the loss.
     """
 
     config_class = MoCoConfig
@@ -97,27 +100,29 @@ class MoCoModel(ContrastivePreTrainedModel):
     def momentum_update(self, momentum: float) -> None:
         """``theta_k <- momentum * theta_k + (1 - momentum) * theta_q`` for every key-side parameter
         (one fused foreach update). Call once per optimizer step; BatchNorm buffers are not averaged."""
-        ema_update_(self.key_parameters(), self.query_parameters(), momentum)
+        model_ema_update_(self, momentum)
 
     @torch.no_grad()
     def enqueue(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,
-                check_finite: bool = True) -> None:
+                check_finite: bool = True, accept: torch.Tensor | None = None) -> None:
         """Write keys ``(B, D)`` and their instance ids ``(B,)`` into the queue, FIFO with wrap-around.
         Keys and ids must be the same on every process (gather them first, see
         :func:`hf_contrast.distributed.gather_no_grad`); ``step`` is recorded as their entry step.
 
         ``check_finite`` drops NaN/inf keys, which would poison every later loss. It is the one
-        host-device sync left here (a data-dependent shape); the trainer passes False, because it has
-        already checked that the loss, which every key enters through its positive logit, is finite.
+        host-device sync left here (a data-dependent shape); the trainer passes False and instead
+        ``accept``: a 0-d bool device tensor (e.g. "the loss is finite" on every process); when False the
+        queue is left exactly as it was, without a host read (see :meth:`NegativeQueue.push`).
         """
-        self.queue.enqueue(keys, instance_ids, step, check_finite)
+        self.queue.enqueue(keys, instance_ids, step, check_finite, accept)
 
     def negatives(self) -> torch.Tensor:
-        """The filled part of the queue ``(K_filled, D)``, detached.
+        """The filled part of the queue ``(K_filled, D)``, detached (for diagnostics; the forward uses the
+        whole buffer with :meth:`NegativeQueue.valid`).
 
-        No copy is needed: the loss L2-normalises it into a new tensor, which is what autograd saves,
-        so enqueuing in place after the loss cannot modify a tensor saved for backward (a copy would
-        cost 32 MiB per step at K=65536)."""
+        No copy is needed in the forward: the loss L2-normalises the buffer into a new tensor, which is
+        what autograd saves, so enqueuing in place after the loss cannot modify a tensor saved for
+        backward (a copy would cost 32 MiB per step at K=65536)."""
         return self.queue.negatives()
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +144,9 @@ class MoCoModel(ContrastivePreTrainedModel):
         splits = self.config.key_bn_splits
         if splits == 1:
             return F.normalize(self.key_projector(self.key_encoder(x)).float(), dim=1)  # (B, D)
-        perm = torch.randperm(x.shape[0], device=x.device)  # (B,) sub-batch k holds rows perm[k::S]
+        perm = torch.randperm(x.shape[0], device=x.device)  # (B,) sub-batch k: rows perm[k * B / S : (k + 1) * B / S]
         with split_batch_norm([self.key_encoder, self.key_projector], splits):
-            k = self.key_projector(self.key_encoder(x[perm]))  # (B, D) in shuffled order
+            k = self.key_projector(self.key_encoder(x[perm]))  # (B, D) in shuffled order (x[perm] keeps channels_last)
         return F.normalize(k.float(), dim=1)[torch.argsort(perm)]  # (B, D) back in the query's order
 
     def forward(
@@ -169,15 +174,15 @@ class MoCoModel(ContrastivePreTrainedModel):
         """
         if pixel_values_2 is None:
             raise ValueError("MoCoModel.forward needs two views: pass pixel_values and pixel_values_2")
-        negatives, negative_ids = self.queue.negatives(), self.queue.negative_ids()  # (K, D), (K,)
+        queue = (self.queue.keys, self.queue.instance_ids, self.queue.valid())  # (K, D), (K,), (K,) the whole buffer
         q1 = self._query(pixel_values)  # (B, D)
         k2 = self.encode_keys(pixel_values_2)  # (B, D)
-        halves = [self._contrast(q1, k2, negatives, negative_ids, instance_ids)]
+        halves = [self._contrast(q1, k2, *queue, instance_ids)]
         embeddings, keys, ids = q1, k2, instance_ids
         if self.config.symmetric_loss:
             q2 = self._query(pixel_values_2)
             k1 = self.encode_keys(pixel_values)
-            halves.append(self._contrast(q2, k1, negatives, negative_ids, instance_ids))
+            halves.append(self._contrast(q2, k1, *queue, instance_ids))
             embeddings, keys = torch.cat([q1, q2]), torch.cat([k2, k1])  # (2B, D)
             ids = None if instance_ids is None else torch.cat([instance_ids, instance_ids])
         logits, labels, positive_mask, counts, kept, removed = (
@@ -185,28 +190,28 @@ class MoCoModel(ContrastivePreTrainedModel):
         loss = None
         if return_loss:
             loss = contrastive_loss(logits, labels, self.config.temperature, self.config.tau_plus, positive_mask)
-        masked = counts is not None
         return ContrastiveOutput(
             loss=loss, logits=logits, labels=labels, embeddings=embeddings, queue_keys=keys,
-            num_negatives=counts.float().mean() if masked else negatives.shape[0],
-            negative_counts=kept,
+            num_negatives=counts.float().mean(), negative_counts=kept,
             queue_instance_ids=ids, false_negatives_removed=removed,
         )
 
-    def _contrast(self, q, k, negatives, negative_ids, instance_ids):
-        """Logits of one query/key pairing against the queue, with the masks of the config.
+    def _contrast(self, q, k, negatives, negative_ids, valid, instance_ids):
+        """Logits of one query/key pairing against the whole queue buffer ``negatives (K, D)``, its ids
+        ``(K,)`` and validity ``valid (K,)``, with the masks of the config.
 
         Returns ``(logits (B, 1 + K), labels (B,), positive_mask, negatives (B,), kept (B,), removed (B,))``
-        (see :func:`~hf_contrast.false_negatives.cancel_negatives`); all but the first two are None
-        when nothing can be masked."""
-        logits, labels = info_nce_logits(q, k, negatives, self.config.temperature)  # (B, 1 + K), (B,)
+        (see :func:`~hf_contrast.false_negatives.cancel_negatives`); unused queue slots are ``-inf`` and
+        not counted. ``positive_mask`` and ``removed`` are None without false-negative cancellation."""
+        logits, labels = info_nce_logits(q, k, negatives, self.config.temperature, valid)  # (B, 1 + K), (B,)
         exclude = self.config.exclude_same_instance and instance_ids is not None
-        if not exclude and self.config.false_negatives is None:
-            return logits, labels, None, None, None, None
-        excluded = torch.zeros_like(logits, dtype=torch.bool)  # (B, 1 + K)
-        excluded[:, 0] = True  # the positive
-        if exclude:
-            excluded[:, 1:] = same_instance_mask(instance_ids.to(negative_ids.device), negative_ids)  # (B, K)
+        if not exclude and self.config.false_negatives is None:  # only the unused slots are masked
+            counts = valid.sum().expand(q.shape[0])  # (B,) a view of the 0-d count
+            return logits, labels, None, counts, counts, None
+        invalid = ~valid  # (K,)
+        if exclude:  # (B, K) the unused slots and the queued keys of the query's own image
+            invalid = invalid | same_instance_mask(instance_ids.to(negative_ids.device), negative_ids)
+        excluded = F.pad(invalid.expand(q.shape[0], -1), (1, 0), value=True)  # (B, 1 + K): and the positive
         scores = None
         if self.config.false_negatives is not None:
             scores = support_scores(torch.stack([q, k], dim=1), negatives)  # (B, K): support = the two views

@@ -15,7 +15,7 @@ from .configuration import MoCoV3Config
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
 from .losses import contrastive_loss, mocov3_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
-from .momentum import ema_update_
+from .momentum import model_ema_update_
 from .queue import NegativeQueue
 
 
@@ -91,12 +91,13 @@ class MoCoV3Model(ContrastivePreTrainedModel):
 
     @torch.no_grad()
     def enqueue(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,
-                check_finite: bool = True) -> None:
+                check_finite: bool = True, accept: torch.Tensor | None = None) -> None:
         """Write keys ``(B, D)`` and their ids ``(B,)`` into the queue, FIFO, normalised, as
-        :meth:`hf_contrast.MoCoModel.enqueue` (gather them over processes first)."""
+        :meth:`hf_contrast.MoCoModel.enqueue` (gather them over processes first; ``accept``: a 0-d bool
+        device tensor, False leaves the queue as it was)."""
         if not self.has_queue:
             raise ValueError("enqueue needs a queue: this MoCoV3Model has queue_size=0 (in-batch keys only)")
-        self.queue.enqueue(keys, instance_ids, step, check_finite)
+        self.queue.enqueue(keys, instance_ids, step, check_finite, accept)
 
     def _freeze(self) -> None:
         for p in self.key_parameters():
@@ -129,7 +130,7 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         """``theta_k <- momentum * theta_k + (1 - momentum) * theta_q`` for every momentum-side parameter
         (one fused foreach update), as :meth:`hf_contrast.MoCoModel.momentum_update`. Call once per
         optimizer step; BatchNorm buffers are not averaged."""
-        ema_update_(self.key_parameters(), self.query_parameters(), momentum)
+        model_ema_update_(self, momentum)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         return self.predictor(self.projector(self.encoder(x)))  # (N, D)
@@ -159,14 +160,15 @@ class MoCoV3Model(ContrastivePreTrainedModel):
 
         Returns:
             :class:`ContrastiveOutput` with logits ``(2N, M + K)`` (queries of view 1, then of view 2,
-            against the gathered keys of the other view, then the ``K = K_filled`` queued keys; ``K = 0``
-            without a queue), labels ``(2N,)``, the queries as ``embeddings`` and ``num_negatives =
-            M - 1 + K`` (``M = N * W`` gathered, else ``N``). When anything is masked (same-instance
-            queued keys, ``false_negatives``) the masked logits are ``-inf``, ``num_negatives`` is the
-            mean per query after masking and ``negative_counts`` (and with cancellation
-            ``false_negatives_removed``) are ``(2N,)``. With a queue, ``queue_keys`` ``(2N, D)`` holds
-            this process's normalised keys of view 2, then view 1, for :meth:`enqueue`, and
-            ``queue_instance_ids`` ``(2N,)`` their ids.
+            against the gathered keys of the other view, then the whole queue buffer of ``K = queue_size``
+            slots, unused ones ``-inf``; ``K = 0`` without a queue), labels ``(2N,)``, the queries as
+            ``embeddings`` and ``num_negatives = M - 1`` (an int; ``M = N * W`` gathered, else ``N``)
+            without a queue or masks. With a queue or ``false_negatives`` the masked logits (unused slots,
+            same-instance queued keys, cancelled candidates) are ``-inf``, ``num_negatives`` is a 0-d tensor,
+            the mean per query after masking (``M - 1 + K_filled`` when nothing else is masked), and
+            ``negative_counts`` (and with cancellation ``false_negatives_removed``) are ``(2N,)``. With a
+            queue, ``queue_keys`` ``(2N, D)`` holds this process's normalised keys of view 2, then view 1,
+            for :meth:`enqueue`, and ``queue_instance_ids`` ``(2N,)`` their ids.
         """
         if pixel_values_2 is None:
             raise ValueError("MoCoV3Model.forward needs two views: pass pixel_values and pixel_values_2")
@@ -177,11 +179,11 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         if gather:
             k1, k2 = distributed.gather_no_grad(k1), distributed.gather_no_grad(k2)  # (N * W, D) in rank order
         rank = distributed.rank() if gather else 0
-        queue = queue_ids = None
-        if self.has_queue:  # the queue of before this step, for both halves
-            queue, queue_ids = self.queue.negatives(), self.queue.negative_ids()  # (K, D), (K,)
-        halves = [self._contrast(q1, k2_local, k2, rank, queue, queue_ids, instance_ids),
-                  self._contrast(q2, k1_local, k1, rank, queue, queue_ids, instance_ids)]
+        queue = queue_ids = valid = None
+        if self.has_queue:  # the whole buffer of before this step, for both halves; unused slots masked
+            queue, queue_ids, valid = self.queue.keys, self.queue.instance_ids, self.queue.valid()  # (K, D), (K,), (K,)
+        halves = [self._contrast(q1, k2_local, k2, rank, queue, queue_ids, valid, instance_ids),
+                  self._contrast(q2, k1_local, k1, rank, queue, queue_ids, valid, instance_ids)]
         loss = None
         if return_loss:  # ctr(q1, k2) + ctr(q2, k1), each times 2T as the official code
             t = self.config.temperature
@@ -197,31 +199,34 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         if self.has_queue:  # this process's keys of view 2, then view 1; the trainer gathers and enqueues them
             queue_keys = F.normalize(torch.cat([k2_local, k1_local]).float(), dim=1)  # (2N, D)
             queue_key_ids = None if instance_ids is None else torch.cat([instance_ids, instance_ids])  # (2N,)
-        filled = 0 if queue is None else queue.shape[0]
         return ContrastiveOutput(
             loss=loss, logits=logits, labels=labels, embeddings=torch.cat([q1, q2]), queue_keys=queue_keys,
-            num_negatives=k1.shape[0] - 1 + filled if counts is None else counts.float().mean(),
+            num_negatives=k1.shape[0] - 1 if counts is None else counts.float().mean(),
             negative_counts=kept, queue_instance_ids=queue_key_ids, false_negatives_removed=removed,
         )
 
-    def _contrast(self, q, k_own, keys, rank, queue=None, queue_ids=None, instance_ids=None):
+    def _contrast(self, q, k_own, keys, rank, queue=None, queue_ids=None, valid=None, instance_ids=None):
         """``ctr(q, k)``'s logits ``(N, M + K)`` and labels ``(N,)`` of local queries ``q (N, D)`` against
-        the gathered keys ``(M, D)`` of the other view and the queued keys ``queue (K, D)`` (``K = 0``
-        when None), with the masks the config asks for: the queued keys of a query's own image
+        the gathered keys ``(M, D)`` of the other view and the whole queue buffer ``queue (K, D)`` (``K = 0``
+        when None) whose unused slots (``valid (K,)`` False) are ``-inf`` and not counted, with the masks
+        the config asks for: the queued keys of a query's own image
         (``exclude_same_instance``, ids ``queue_ids (K,)`` against ``instance_ids (N,)``) and
         false-negative cancellation over in-batch and queued keys. The support set of a query is the
         query and its own key ``k_own (N, D)``, as in MoCo (see :mod:`hf_contrast.false_negatives`).
         Returns ``(logits, labels, positive_mask, negatives, kept, removed)``; the last four are None
-        when nothing can be masked (``removed`` also without cancellation)."""
-        logits, labels = mocov3_logits(q, keys, self.config.temperature, rank, queue)  # (N, M + K), (N,)
+        without a queue and without cancellation (``positive_mask`` and ``removed`` without cancellation)."""
+        logits, labels = mocov3_logits(q, keys, self.config.temperature, rank, queue, valid)  # (N, M + K), (N,)
         exclude = (self.config.exclude_same_instance and queue is not None and instance_ids is not None)
-        if self.config.false_negatives is None and not exclude:
+        if self.config.false_negatives is None and queue is None:
             return logits, labels, None, None, None, None
         m = keys.shape[0]
         excluded = torch.zeros_like(logits, dtype=torch.bool)  # (N, M + K)
-        excluded[torch.arange(logits.shape[0], device=logits.device), labels] = True  # the positive
-        if exclude:  # the queued keys of the query's own image (in-batch keys are of other images)
-            excluded[:, m:] = same_instance_mask(instance_ids.to(queue_ids.device), queue_ids)  # (N, K)
+        excluded.scatter_(1, labels.unsqueeze(1), True)  # the positive
+        if queue is not None:  # unused slots, and the queued keys of the query's own image (in-batch keys are not)
+            invalid = ~valid  # (K,)
+            if exclude:
+                invalid = invalid | same_instance_mask(instance_ids.to(queue_ids.device), queue_ids)  # (N, K)
+            excluded[:, m:] = invalid
         scores = None
         if self.config.false_negatives is not None:
             candidates = keys if queue is None else torch.cat([keys, queue])  # (M + K, D)

@@ -23,13 +23,17 @@ class NegativeQueue(nn.Module):
     * ``instance_ids`` ``(K,)`` long: the dataset index of each key's image, ``-1`` when unknown.
     * ``entry_steps`` ``(K,)`` long: the optimizer step at which each key entered, ``-1`` unknown.
     * ``ptr`` / ``filled``: 0-d long, the next slot to write (the oldest key) and how many slots
-      hold real keys.
+      hold real keys. The queue fills from slot 0, so the valid slots are always ``[0, filled)``.
 
-    The pointer and fill count are also kept as host-side Python ints (:attr:`pointer`,
-    :attr:`num_filled`), which the training step reads: slicing the filled part and writing a
-    batch need no ``int()`` of a device tensor, so no host-device sync. The 0-d buffers are written
-    with ``fill_`` (an asynchronous kernel) for the checkpoint, and read back once after loading
-    (:meth:`sync_from_buffers`, called by ``load_state_dict`` and ``MoCoModel.from_pretrained``).
+    The training step uses the whole ``(K, D)`` buffer with the validity mask :meth:`valid` (columns of
+    unused slots get ``-inf`` logits), so every step has the same shapes (no recompiles under
+    ``torch.compile`` while the queue fills) and reads nothing on the host. :meth:`push` writes at the
+    device pointer with ``index_copy_`` and can be vetoed on the device (``accept``): no host-device sync.
+
+    Host-side mirrors of the pointer and fill count (:attr:`pointer`, :attr:`num_filled`) are kept for
+    logging and diagnostics; they assume every push is accepted (a rejected push stops training at the
+    trainer's next check anyway) and are read back from the buffers after loading
+    (:meth:`sync_from_buffers`, called by ``load_state_dict`` and ``from_pretrained``).
     """
 
     def __init__(self, size: int, dim: int):
@@ -39,6 +43,7 @@ class NegativeQueue(nn.Module):
         self.register_buffer("entry_steps", torch.full((size,), -1, dtype=torch.long))
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
         self.register_buffer("filled", torch.zeros((), dtype=torch.long))
+        self.register_buffer("slots", torch.arange(size), persistent=False)  # (K,) slot indices, made once
         self._ptr, self._filled = 0, 0
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.sync_from_buffers())
 
@@ -56,12 +61,23 @@ class NegativeQueue(nn.Module):
         """How many slots hold real keys (host int, ``<= size``)."""
         return self._filled
 
+    def init_non_persistent_buffers(self) -> None:
+        """Rebuild ``slots`` (not in checkpoints; ``from_pretrained`` leaves it uninitialised)."""
+        with torch.no_grad():
+            self.slots.copy_(torch.arange(self.size, device=self.slots.device))
+
     def sync_from_buffers(self) -> None:
         """Refresh the host-side pointer and fill count from the buffers (one sync; after loading)."""
+        self.init_non_persistent_buffers()
         self._ptr, self._filled = int(self.ptr), min(max(int(self.filled), 0), self.size)
 
+    def valid(self) -> torch.Tensor:
+        """``(K,)`` bool on the device: which slots hold real keys (``slots < filled``; no host read)."""
+        return self.slots < self.filled
+
     def negatives(self) -> torch.Tensor:
-        """The filled part of the keys ``(K_filled, D)``, detached (a view, no copy)."""
+        """The filled part of the keys ``(K_filled, D)``, detached (a view; sliced with the host int: for
+        diagnostics, not for the training step, which uses ``keys`` with :meth:`valid`)."""
         return self.keys[: self._filled].detach()
 
     def negative_ids(self) -> torch.Tensor:
@@ -70,9 +86,10 @@ class NegativeQueue(nn.Module):
 
     @torch.no_grad()
     def enqueue(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,
-                check_finite: bool = True) -> None:
+                check_finite: bool = True, accept: torch.Tensor | None = None) -> None:
         """L2-normalise keys ``(B, D)`` and :meth:`push` them with their ids ``(B,)``; with
         ``check_finite``, NaN/inf keys are dropped first (a host-device sync: a data-dependent shape).
+        ``accept``: a 0-d bool device tensor; when False nothing changes (see :meth:`push`).
         What :meth:`hf_contrast.MoCoModel.enqueue` and :meth:`hf_contrast.MoCoV3Model.enqueue` call."""
         if keys.ndim != 2 or keys.shape[1] != self.keys.shape[1]:
             raise ValueError(f"keys must have shape (B, {self.keys.shape[1]}), got {tuple(keys.shape)}")
@@ -82,34 +99,44 @@ class NegativeQueue(nn.Module):
                 logger.warning(f"Dropping {int((~finite).sum())} of {keys.shape[0]} keys that are NaN or inf")
                 keys = keys[finite]
                 instance_ids = None if instance_ids is None else instance_ids.reshape(-1)[finite]
-        self.push(F.normalize(keys.float(), dim=1), instance_ids, step)
+        self.push(F.normalize(keys.float(), dim=1), instance_ids, step, accept)
 
     @torch.no_grad()
-    def push(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1) -> None:
+    def push(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,
+             accept: torch.Tensor | None = None) -> None:
         """Write ``keys`` ``(B, D)`` (already normalised) with their ids ``(B,)`` at the pointer, FIFO.
 
         Any B: the write wraps around the end, and when B > K only the newest K keys are kept.
-        Contiguous slice writes with host-side offsets: no host-device sync.
+        Slots come from the device pointer (``index_copy_``): no host-device sync, the same kernels
+        every step. ``accept`` (0-d bool tensor, e.g. "the loss was finite"): when False the slots keep
+        their keys, ids and entry steps and the pointer and fill count do not move (``torch.where`` on
+        the device); ``None`` accepts.
         """
         n, size = keys.shape[0], self.size
-        ids = (torch.full((n,), UNKNOWN_INSTANCE, dtype=torch.long, device=keys.device) if instance_ids is None
-               else instance_ids.detach().to(device=self.keys.device, dtype=torch.long).reshape(-1))
+        device = self.keys.device
+        ids = (torch.full((n,), UNKNOWN_INSTANCE, dtype=torch.long, device=device) if instance_ids is None
+               else instance_ids.detach().to(device=device, dtype=torch.long).reshape(-1))
         if ids.shape[0] != n:
             raise ValueError(f"instance_ids must have one id per key: got {ids.shape[0]} ids for {n} keys")
-        keys = keys.detach().to(self.keys.dtype)
-        if n > size:  # only the newest K survive a write larger than the queue
-            self._ptr = (self._ptr + n - size) % size
-            keys, ids, n = keys[-size:], ids[-size:], size
-        first = min(n, size - self._ptr)  # rows up to the end of the buffer, then wrap to slot 0
-        for dst, lo, hi in ((self._ptr, 0, first), (0, first, n)):
-            if hi > lo:
-                self.keys[dst : dst + hi - lo] = keys[lo:hi]
-                self.instance_ids[dst : dst + hi - lo] = ids[lo:hi]
-                self.entry_steps[dst : dst + hi - lo] = step
-        self._ptr = (self._ptr + n) % size
+        m = min(n, size)  # only the newest K survive a write larger than the queue
+        keys, ids = keys.detach().to(device=device, dtype=self.keys.dtype)[n - m :], ids[n - m :]  # (m, D), (m,)
+        idx = (self.ptr + (n - m) + self.slots[:m]) % size  # (m,) slots, wrapping around, as n sequential writes
+        if accept is None:
+            self.keys.index_copy_(0, idx, keys)
+            self.instance_ids.index_copy_(0, idx, ids)
+            self.entry_steps.index_fill_(0, idx, step)
+            self.ptr.add_(n).remainder_(size)
+            self.filled.add_(n).clamp_(max=size)
+        else:
+            accept = accept.detach().to(device=device, dtype=torch.bool).reshape(())
+            self.keys.index_copy_(0, idx, torch.where(accept, keys, self.keys.index_select(0, idx)))
+            self.instance_ids.index_copy_(0, idx, torch.where(accept, ids, self.instance_ids.index_select(0, idx)))
+            self.entry_steps.index_copy_(0, idx, torch.where(accept, step, self.entry_steps.index_select(0, idx)))
+            advance = accept.long() * n  # () n or 0
+            self.ptr.add_(advance).remainder_(size)
+            self.filled.add_(advance).clamp_(max=size)
+        self._ptr = (self._ptr + n) % size  # host mirrors: as if accepted
         self._filled = min(self._filled + n, size)
-        self.ptr.fill_(self._ptr)
-        self.filled.fill_(self._filled)
 
 
 def upgrade_legacy_queue_state(state_dict: dict, prefix: str, queue: NegativeQueue) -> None:

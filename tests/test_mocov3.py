@@ -243,8 +243,10 @@ def test_queue_loss_is_the_official_ctr_with_queued_columns(backbone):
     t = model.config.temperature
     expected = official_ctr_with_queue(q1, k2, known, t) + official_ctr_with_queue(q2, k1, known, t)
     torch.testing.assert_close(out.loss.double(), expected, rtol=1e-6, atol=1e-6)
-    assert out.logits.shape == (10, 5 + 7) and out.labels.tolist() == [*range(5), *range(5)]
-    assert out.num_negatives == 5 - 1 + 7 and out.negative_counts is None
+    # the whole 12-slot buffer, its 5 unused slots at -inf (static shapes while the queue fills)
+    assert out.logits.shape == (10, 5 + 12) and out.labels.tolist() == [*range(5), *range(5)]
+    assert torch.isneginf(out.logits[:, 5 + 7 :]).all() and torch.isfinite(out.logits[:, : 5 + 7]).all()
+    assert out.num_negatives == 5 - 1 + 7 and out.negative_counts.tolist() == [5 - 1 + 7] * 10
     torch.testing.assert_close(out.queue_keys, F.normalize(torch.cat([k2, k1]), dim=1))  # view 2, then view 1
     assert torch.equal(model.queue.keys, before) and model.queue_filled == 7  # the forward never enqueues
     without = official_ctr_with_queue(q1, k2, known[:0], t) + official_ctr_with_queue(q2, k1, known[:0], t)
@@ -301,8 +303,9 @@ def test_false_negative_candidates_include_the_queue():
     model.enqueue(k2)
     with torch.no_grad():
         out = model(x1, x2)
-    first = out.logits[:4]  # (4, 4 + 4): queries of view 1 against k2, then the queue
-    assert torch.equal(torch.isinf(first[:, 4:]), torch.eye(4, dtype=torch.bool))
+    first = out.logits[:4]  # (4, 4 + 12): queries of view 1 against k2, then the queue (4 filled slots)
+    assert torch.equal(torch.isinf(first[:, 4:8]), torch.eye(4, dtype=torch.bool))
+    assert torch.isneginf(first[:, 8:]).all()  # unused slots
     assert torch.isfinite(first[:, :4]).all()
     assert out.false_negatives_removed.tolist() == [1] * 8 and float(out.num_negatives) == 4 - 1 + 4 - 1
 

@@ -34,7 +34,10 @@ def test_moco_forward_matches_paper_pseudocode_and_does_not_touch_queue():
     queue_before = m.queue.keys.clone()
     out = m(x1, x2)
     assert torch.equal(m.queue.keys, queue_before) and int(m.queue_ptr) == 6  # forward never mutates the queue
-    assert out.num_negatives == 6 and out.logits.shape == (4, 7) and out.queue_keys.shape == (4, 16)
+    assert out.num_negatives == 6 and out.queue_keys.shape == (4, 16)
+    # the whole buffer: 1 + 10 columns, the 4 unused slots at -inf (static shapes while the queue fills)
+    assert out.logits.shape == (4, 11) and torch.isneginf(out.logits[:, 7:]).all()
+    assert torch.isfinite(out.logits[:, :7]).all() and out.negative_counts.tolist() == [6] * 4
     # MoCo Algorithm 1 on the same weights (BN in train mode on both sides)
     q = F.normalize(m.projector(m.encoder(x1)), dim=1)
     with torch.no_grad():

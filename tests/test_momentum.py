@@ -74,3 +74,57 @@ def test_model_in_bfloat16_refuses_the_momentum_update():
     model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=8, **TINY)).to(torch.bfloat16)
     with pytest.raises(ValueError, match="TrainingArguments\\(bf16=True\\)"):
         model.momentum_update(0.999)
+
+
+def tiny_moco():
+    from conftest import TINY
+
+    from hf_contrast import MoCoConfig, MoCoModel
+
+    torch.manual_seed(0)
+    return MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=8, **TINY))
+
+
+def expect_ema(model, m):
+    """The EMA of ``model`` at momentum ``m``, computed from fresh parameter lists (float64)."""
+    return [m * k.double() + (1 - m) * q.double() for k, q in zip(model.key_parameters(), model.query_parameters(),
+                                                                     strict=True)]
+
+
+def check_ema(model, m):
+    want = expect_ema(model, m)
+    model.momentum_update(m)
+    for got, w in zip(model.key_parameters(), want, strict=True):
+        torch.testing.assert_close(got.double(), w, rtol=2.5e-7, atol=1e-7)
+
+
+def test_momentum_update_builds_its_parameter_lists_once(monkeypatch):
+    model = tiny_moco()
+    calls = []
+    original = type(model).key_parameters
+    monkeypatch.setattr(type(model), "key_parameters", lambda self: calls.append(1) or original(self))
+    for _ in range(3):
+        model.momentum_update(0.9)
+    assert len(calls) == 1  # not one walk over the modules per optimizer step
+
+
+def test_momentum_update_stays_exact_when_parameters_are_replaced(tmp_path):
+    """from_pretrained and load_state_dict(assign=True) put new tensors behind the names: the cached lists
+    follow them (a stale cache would average tensors that are no longer the model's)."""
+    from hf_contrast import MoCoModel
+
+    model = tiny_moco()
+    with torch.no_grad():
+        for p in model.query_parameters():
+            p.add_(0.5)
+    check_ema(model, 0.9)
+    model.save_pretrained(tmp_path)
+    state = {k: v.clone() + 0.25 for k, v in model.state_dict().items() if v.is_floating_point()}
+    model.load_state_dict(state, strict=False, assign=True)  # new tensors in the same model
+    check_ema(model, 0.8)
+    loaded = MoCoModel.from_pretrained(tmp_path)
+    with torch.no_grad():
+        for p in loaded.query_parameters():
+            p.add_(0.5)
+    check_ema(loaded, 0.7)
+    check_ema(loaded, 0.7)

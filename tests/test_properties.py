@@ -79,3 +79,28 @@ def test_high_temperature_tends_to_no_signal(seed, k):
     queue = torch.randn(k, 8, generator=torch.Generator().manual_seed(seed))
     assert math.isclose(info_nce_loss(q, key, queue, 1e4).item(), math.log(k + 1), rel_tol=1e-3)
     assert math.isclose(nt_xent_loss(q, key, 1e4).item(), math.log(2 * 4 - 1), rel_tol=1e-3)
+
+
+@FAST
+@given(size=st.integers(1, 17),
+       pushes=st.lists(st.tuples(st.integers(1, 25), st.sampled_from([None, True, False])), min_size=1, max_size=12))
+def test_negative_queue_is_a_bounded_deque_that_skips_rejected_pushes(size, pushes):
+    """NegativeQueue.push (device pointer, index_copy_) against a deque: oldest first from the pointer, the
+    valid slots are the deque's length, and a push with accept=False leaves everything as it was."""
+    from hf_contrast.queue import NegativeQueue
+
+    queue = NegativeQueue(size, 1)
+    reference = deque(maxlen=size)
+    counter = 0
+    for b, accept in pushes:
+        keys = torch.arange(counter, counter + b, dtype=torch.float).unsqueeze(1)  # (b, 1) unique values
+        counter += b
+        queue.push(keys, keys.squeeze(1).long(), step=counter,
+                   accept=None if accept is None else torch.tensor(accept))
+        if accept is not False:
+            reference.extend(keys.squeeze(1).tolist())
+        ptr, filled = int(queue.ptr), int(queue.filled)
+        assert filled == len(reference) and int(queue.valid().sum()) == filled and 0 <= ptr < size
+        rows = torch.cat([queue.keys[ptr:], queue.keys[:ptr]]) if filled == size else queue.keys[:filled]
+        assert rows.squeeze(1).tolist() == list(reference)
+        assert torch.equal(queue.instance_ids[:filled], queue.keys[:filled, 0].long())

@@ -91,6 +91,10 @@ def test_ids_survive_save_and_load(tmp_path):
     loaded = MoCoModel.from_pretrained(tmp_path)
     assert loaded.queue.instance_ids.tolist() == m.queue.instance_ids.tolist()
     assert (loaded.queue_ptr, loaded.queue_filled) == (5, 5) and torch.equal(loaded.queue.keys, m.queue.keys)
+    assert torch.equal(loaded.queue.slots, torch.arange(12))  # not in the checkpoint: rebuilt after loading
+    assert loaded.queue.valid().tolist() == [True] * 5 + [False] * 7
+    x1, x2 = views()
+    torch.testing.assert_close(loaded.eval()(x1, x2).loss, m.eval()(x1, x2).loss)
     fresh = moco()
     fresh.load_state_dict(load_file(tmp_path / "model.safetensors"))  # the host ints follow the buffers
     assert (fresh.queue_ptr, fresh.queue_filled) == (5, 5) and fresh.queue.entry_steps[:5].tolist() == [3] * 5
@@ -149,3 +153,115 @@ def test_trainer_passes_instance_ids_from_two_view_dataset(digits, tmp_path):
     assert sorted(steps) == [1] * 8 + [2] * 8 + [3] * 8  # the oldest 8 of step 0 were overwritten
     log = next(h for h in trainer.state.log_history if "num_negatives" in h)
     assert isinstance(log["num_negatives"], float) and log["num_negatives"] <= 24
+
+
+def old_slice_terms(config, q, k, keys, ids, instance_ids, in_batch=None, rank=0):
+    """Yesterday's forward, written out: logits against the FILLED SLICE ``keys (K_filled, D)`` and its ids,
+    then the masks (positive, same-instance, FNC) as ``_contrast`` applied them. MoCo v2 (``in_batch=None``:
+    positive in column 0) or MoCo v3 (``in_batch``: the other view's keys ``(M, D)``, then the queue).
+    Returns ``(loss, per-row negatives or None)``."""
+    from hf_contrast.false_negatives import cancel_negatives, same_instance_mask, support_scores
+    from hf_contrast.losses import contrastive_loss, info_nce_logits, mocov3_logits
+
+    t = config.temperature
+    if in_batch is None:
+        logits, labels = info_nce_logits(q, k, keys, t)
+        offset, candidates = 1, keys
+    else:
+        logits, labels = mocov3_logits(q, in_batch, t, rank, keys)
+        offset, candidates = in_batch.shape[0], torch.cat([in_batch, keys])
+    exclude = config.exclude_same_instance and instance_ids is not None
+    if not exclude and config.false_negatives is None:
+        return contrastive_loss(logits, labels, t, config.tau_plus), None
+    excluded = torch.zeros_like(logits, dtype=torch.bool)
+    excluded[torch.arange(len(labels)), labels] = True
+    if exclude:
+        excluded[:, offset:] = same_instance_mask(instance_ids, ids)
+    scores = None
+    if config.false_negatives is not None:
+        scores = support_scores(torch.stack([q, k], dim=1), candidates)
+        if in_batch is None:
+            scores = F.pad(scores, (1, 0), value=float("-inf"))
+    logits, positive_mask, negatives, _, _ = cancel_negatives(logits, labels, excluded, scores, config)
+    return contrastive_loss(logits, labels, t, config.tau_plus, positive_mask), negatives
+
+
+VARIANTS = [dict(), dict(exclude_same_instance=False), dict(false_negatives="eliminate", false_negative_top_k=2),
+            dict(false_negatives="attract", false_negative_top_k=1), dict(tau_plus=0.1)]
+
+
+@pytest.mark.parametrize("filled", [0, 7, 12])
+@pytest.mark.parametrize("variant", VARIANTS + [dict(symmetric_loss=True, false_negatives="eliminate")])
+def test_masked_whole_buffer_equals_the_filled_slice_moco(variant, filled):
+    """The whole (K, D) buffer with its unused slots at -inf gives exactly the loss, gradient and negative
+    count of yesterday's logits against keys[:filled] (filled=0: the first step, no negatives at all)."""
+    m = moco(**variant).train()
+    ids = torch.tensor([0, 1, 30, 2, 31, 32, 3, 33, 34, 35, 36, 37])[:filled]  # queries 0-3's own images queued
+    m.enqueue(torch.randn(filled, 16, generator=torch.Generator().manual_seed(3)), ids)
+    x1, x2 = views()
+    instance = torch.arange(4)
+    out = m(x1, x2, instance_ids=instance)
+    grad = torch.autograd.grad(out.loss, list(m.projector.parameters()))
+    q1, q2 = m._query(x1), m._query(x2)
+    k1, k2 = m.encode_keys(x1), m.encode_keys(x2)
+    keys, kids = m.queue.keys[:filled], m.queue.instance_ids[:filled]
+    pairs = [(q1, k2)] + ([(q2, k1)] if m.config.symmetric_loss else [])
+    terms = [old_slice_terms(m.config, q, k, keys, kids, instance) for q, k in pairs]
+    loss = sum(t[0] for t in terms) / len(terms)
+    torch.testing.assert_close(out.loss, loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grad, torch.autograd.grad(loss, list(m.projector.parameters())), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    counts = None if terms[0][1] is None else torch.cat([t[1] for t in terms]).float().mean()
+    torch.testing.assert_close(out.num_negatives, torch.tensor(float(filled)) if counts is None else counts)
+    assert out.logits.shape[1] == 1 + 12  # always the whole buffer
+
+
+@pytest.mark.parametrize("filled", [0, 7])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_masked_whole_buffer_equals_the_filled_slice_mocov3(variant, filled):
+    from hf_contrast import MoCoV3Config, MoCoV3Model
+
+    torch.manual_seed(0)
+    m = MoCoV3Model(MoCoV3Config(backbone="test_resnet", queue_size=12, **TINY, **variant)).train()
+    ids = torch.tensor([0, 1, 30, 2, 31, 32, 3])[:filled]
+    m.enqueue(torch.randn(filled, 16, generator=torch.Generator().manual_seed(3)), ids)
+    x1, x2 = views()
+    instance = torch.arange(4)
+    out = m(x1, x2, instance_ids=instance)
+    q1, q2 = m._query(x1), m._query(x2)
+    with torch.no_grad():
+        k1, k2 = m.encode_keys(x1), m.encode_keys(x2)
+    keys, kids = m.queue.keys[:filled], m.queue.instance_ids[:filled]
+    t = m.config.temperature
+    terms = [old_slice_terms(m.config, q, k, keys, kids, instance, in_batch=k) for q, k in ((q1, k2), (q2, k1))]
+    loss = sum(term[0] for term in terms) * (2 * t)
+    torch.testing.assert_close(out.loss, loss, rtol=1e-5, atol=1e-6)
+    want = (torch.cat([term[1] for term in terms]).float().mean() if terms[0][1] is not None
+            else torch.tensor(4.0 - 1 + filled))
+    torch.testing.assert_close(out.num_negatives, want)
+
+
+def test_rejected_push_changes_nothing_and_an_accepted_one_is_a_plain_push():
+    queue, plain = NegativeQueue(5, 2), NegativeQueue(5, 2)
+    plain.load_state_dict(queue.state_dict())
+    first = F.normalize(torch.randn(3, 2), dim=1)
+    queue.push(first, torch.tensor([1, 2, 3]), step=0, accept=torch.tensor(True))
+    plain.push(first, torch.tensor([1, 2, 3]), step=0)
+    before = {k: v.clone() for k, v in queue.state_dict().items()}
+    queue.push(torch.full((4, 2), float("nan")), torch.tensor([7, 8, 9, 10]), step=1, accept=torch.tensor(False))
+    for name, value in queue.state_dict().items():  # keys, ids, entry steps, pointer and fill count
+        assert torch.equal(value, before[name]), name
+    assert torch.equal(queue.valid(), torch.tensor([True, True, True, False, False]))
+    for q in (queue, plain):
+        q.push(F.normalize(torch.ones(4, 2), dim=1), torch.tensor([4, 5, 6, 7]), step=2, accept=None if q is plain
+               else torch.tensor(True))
+    for name, value in plain.state_dict().items():
+        assert torch.equal(queue.state_dict()[name], value), name
+
+
+def test_model_enqueue_passes_accept_through():
+    m = moco()
+    m.enqueue(torch.randn(4, 16), torch.arange(4), step=0, check_finite=False, accept=torch.tensor(False))
+    assert int(m.queue.filled) == 0 and not m.queue.valid().any() and m.queue.instance_ids.tolist() == [-1] * 12
+    m.enqueue(torch.randn(4, 16), torch.arange(4), step=0, check_finite=False, accept=torch.tensor(True))
+    assert int(m.queue.filled) == 4 and m.queue.instance_ids[:4].tolist() == [0, 1, 2, 3]
