@@ -49,6 +49,7 @@ from .negatives import negatives_per_anchor
 from .queue import NegativeQueue
 from .shards import write_shards
 from .streaming import StreamingError, StreamingTwoViewDataset, streaming_two_view_dataset
+from .throughput import ThroughputMeter, summarize_throughput
 from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback, NonFiniteLossError
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
@@ -88,6 +89,7 @@ __all__ = [
     "SimCLRModel",
     "StreamingError",
     "StreamingTwoViewDataset",
+    "ThroughputMeter",
     "TrainingMonitor",
     "TwoViewAugmentation",
     "TwoViewDataset",
@@ -122,6 +124,7 @@ __all__ = [
     "probe_activation_memory",
     "push_encoder_to_hub",
     "streaming_two_view_dataset",
+    "summarize_throughput",
     "two_view_dataset",
     "uniformity",
     "write_shards",

@@ -42,10 +42,13 @@ class ContrastiveMetrics:
             kept = outputs.negative_counts.to(logits.dtype)  # (A,)
             total = logits.clamp(min=lo).sum(1) - (logits.shape[1] - 1 - kept) * lo  # (A,)
             neg_mean = (total - pos) / kept.clamp(min=1)  # (A,)
-        else:
-            masked = logits.shape[1] - 1 - outputs.num_negatives
-            total = logits.clamp(min=lo).sum(1) - masked * lo if masked else logits.sum(1)  # (A,)
-            neg_mean = (total - pos) / max(outputs.num_negatives, 1)  # (A,) 0 when there are no negatives
+        else:  # num_negatives: an int, or a 0-d device tensor (MoCo's queue while it fills): no host read
+            n = outputs.num_negatives
+            masked = logits.shape[1] - 1 - n  # int or ()
+            plain = isinstance(masked, int) and masked == 0
+            total = logits.sum(1) if plain else logits.clamp(min=lo).sum(1) - masked * lo  # (A,)
+            count = n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
+            neg_mean = (total - pos) / count  # (A,) 0 when there are no negatives
         z = torch.nn.functional.normalize(outputs.embeddings.detach().float(), dim=1)  # (A, D)
         values = torch.stack([
             (logits.argmax(1) == labels).float().mean(),

@@ -24,6 +24,7 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from .negatives import negatives_per_anchor
+from .throughput import summarize_throughput
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class EncoderCardData:
             were handled (same-instance masking, cancellation, the debiased loss's prior).
         augmentations: description of the two-view augmentation.
         steps, epochs: optimizer steps and epochs trained.
+        images_per_second, data_wait_fraction: training throughput of all processes together, and the
+            share of time spent waiting for data (default: the mean of the logged windows after the
+            first, see :func:`hf_contrast.throughput.summarize_throughput`).
         knn_top1: kNN top-1 of the exported encoder (default: the last ``knn_top1`` in ``log_history``).
         knn_details: how the kNN result was measured (k, temperature, splits).
         knn_baselines: other kNN results to show next to it, e.g. ``{"random init": 0.7}``.
@@ -126,6 +130,8 @@ class EncoderCardData:
     augmentations: str | None = None
     steps: int | None = None
     epochs: float | None = None
+    images_per_second: float | None = None
+    data_wait_fraction: float | None = None
     knn_top1: float | None = None
     knn_details: str | None = None
     knn_baselines: dict[str, float] = field(default_factory=dict)
@@ -141,6 +147,11 @@ class EncoderCardData:
         if self.measured_negatives is None:
             self.measured_negatives = next(
                 (h["num_negatives"] for h in reversed(self.log_history) if "num_negatives" in h), None)
+        throughput = summarize_throughput(self.log_history)
+        if self.images_per_second is None:
+            self.images_per_second = throughput.get("images_per_second")
+        if self.data_wait_fraction is None:
+            self.data_wait_fraction = throughput.get("data_wait_fraction")
 
     @classmethod
     def from_model(cls, model, augmentation=None, **overrides) -> EncoderCardData:

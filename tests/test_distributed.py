@@ -86,6 +86,8 @@ def test_trainer_under_torchrun_keeps_ranks_identical(tmp_path):
         assert info[0]["world_size"] == 2 and info[0]["negatives_per_anchor"] == negatives
         assert info[0]["logs"][-1]["num_negatives"] == negatives
         assert info[0]["logs"] == info[1]["logs"]  # metrics are averaged across processes before logging
+        last = info[0]["logs"][-1]  # throughput: the sum of both processes' rates, agreed by both
+        assert last["images_per_second"] == pytest.approx(2 * last["images_per_second_per_process"], rel=1e-3)
     checkpoints = sorted(p.name for p in (tmp_path / "moco").iterdir() if p.name.startswith("checkpoint-"))
     assert checkpoints == ["checkpoint-3", "checkpoint-6"]
     assert (tmp_path / "moco" / "checkpoint-6" / "model.safetensors").exists()
@@ -93,12 +95,13 @@ def test_trainer_under_torchrun_keeps_ranks_identical(tmp_path):
 
 def test_nan_on_one_process_stops_every_process_with_the_same_error(tmp_path):
     """Rank 1's loss turns NaN at step 2 (its head is poisoned); rank 0's stays finite. Both ranks must
-    raise NonFiniteLossError for step 2 naming process 1, not die in the next collective."""
+    raise NonFiniteLossError for step 2 naming process 1, not die in the next collective. The guard reads its
+    device-side record at logging steps (every 3 here): both stop at step 3."""
     torchrun("nan_run.py", tmp_path)
     info = [json.loads((tmp_path / f"nan_rank{r}.json").read_text()) for r in (0, 1)]
     for r, rank_info in enumerate(info):
         assert rank_info["error"] is not None, f"rank {r} did not raise NonFiniteLossError"
         assert rank_info["error"].startswith("Step 2: the contrastive loss is "), rank_info["error"]
         assert "(not finite on process 1 of 2)" in rank_info["error"]
-        assert rank_info["step"] == 2
+        assert rank_info["step"] == 3
     assert "loss is finite here" in info[0]["error"] and "loss is nan" in info[1]["error"]

@@ -47,7 +47,7 @@ def test_nan_loss_stops_training_naming_the_step(tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"Step 1: the contrastive loss is nan.*learning rate"):
         trainer.train()
     assert torch.isfinite(model.queue.keys).all()
-    assert int(model.queue_filled) == 8  # only the first (finite) batch was enqueued
+    assert int(model.queue.valid().sum()) == 8  # only the first (finite) batch was enqueued
 
 
 def test_non_finite_keys_are_never_enqueued(caplog):

@@ -34,3 +34,21 @@ def test_metrics_match_definitions_for_simclr_and_moco_logits():
         for name, value in zip(ContrastiveMetrics.names, want, strict=True):
             assert abs(got[name] - value) < 2e-4, (name, got[name], value)
         assert got["num_negatives"] == k
+
+
+def test_metrics_take_a_device_count_of_negatives_without_reading_it():
+    """MoCo's queue fills over the first steps: its logits then hold -inf columns for the empty slots and
+    ``num_negatives`` is a 0-d tensor. The metrics equal the naive definitions and read nothing on the host
+    until ``compute_and_reset``."""
+    g = torch.Generator().manual_seed(1)
+    z_a, z_b, queue = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(20, 8, generator=g)
+    logits, labels = info_nce_logits(z_a, z_b, F.normalize(queue, dim=1), 0.2)  # (6, 21)
+    logits[:, 13:] = float("-inf")  # 8 empty queue slots: 12 real negatives
+    metrics = ContrastiveMetrics(0.2)
+    with torch.profiler.profile() as prof:
+        metrics.update(ContrastiveOutput(logits=logits, labels=labels, embeddings=z_a, num_negatives=torch.tensor(12)))
+    assert "aten::_local_scalar_dense" not in {e.name for e in prof.events()}
+    got = metrics.compute_and_reset()
+    for name, value in zip(ContrastiveMetrics.names, naive(logits, labels, z_a, 0.2), strict=True):
+        assert abs(got[name] - value) < 2e-4, (name, got[name], value)
+    assert got["num_negatives"] == 12

@@ -98,6 +98,20 @@ def test_card_from_trainer_has_yaml_curves_and_knn(digits, tmp_path_factory):
     assert table_value(card.text, "negatives per anchor") == "32" == str(trainer.negatives_per_anchor())
     assert 'timm.create_model("local-dir:' in card.text and "AutoModelForImageClassification" in card.text
     assert "random resized crop to 32 px, scale (0.5, 1.0)" in table_value(card.text, "augmentations")
+    windows = [h for h in trainer.state.log_history if "images_per_second" in h][1:]  # after the first
+    mean = sum(h["images_per_second"] for h in windows) / len(windows)
+    assert table_value(card.text, "throughput").startswith(f"{mean:.0f} images/s over 1 process(es), ")
+
+
+def test_card_states_throughput_from_the_logged_windows_after_the_first():
+    torch.manual_seed(0)
+    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=64, **TINY))
+    logs = [{"loss": 1.0, "step": 10 * i, "images_per_second": ips, "data_wait_fraction": wait}
+            for i, (ips, wait) in enumerate([(10.0, 0.9), (2000.0, 0.05), (3000.0, 0.15)], start=1)]
+    card = EncoderCardData.from_model(model, AUGMENTATION, per_device_batch_size=32, world_size=8, log_history=logs)
+    assert (card.images_per_second, card.data_wait_fraction) == (2500.0, 0.1)  # start-up window left out
+    assert table_value(render(card), "throughput") == "2500 images/s over 8 process(es), 10% of the time waiting for data"
+    assert "| throughput |" not in render(EncoderCardData.from_model(model, AUGMENTATION))  # not measured: no row
 
 
 def test_training_curves_plot_every_logged_metric(tmp_path):

@@ -80,6 +80,7 @@ from hf_contrast.hub import check_can_push
 from hf_contrast.optim import LARS
 from hf_contrast.shards import read_shard_sizes, resolve_shards
 from hf_contrast.streaming import StreamingTwoViewDataset
+from hf_contrast.throughput import summarize_throughput
 
 logger = logging.getLogger("pretrain")
 
@@ -366,6 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if history:
         results["final_loss"] = history[-1]["loss"]
         results["no_signal_loss"] = math.log(history[-1]["num_negatives"] + 1) * getattr(model, "loss_scale", 1.0)
+    results.update(summarize_throughput(trainer.state.log_history))  # images_per_second, data_wait_fraction
     if evaluating:  # the held-out pairs at the end, next to the curve logged every eval_steps
         final_eval = trainer.evaluate()
         results.update({k: final_eval[k] for k in ("eval_loss", "eval_contrastive_top1") if k in final_eval})
@@ -413,11 +415,16 @@ def print_report(results: dict[str, float], final_dir: str, model) -> None:
         ("ln(K+1) x 4T: the loss of a model with no signal" if getattr(model, "loss_scale", 1.0) != 1.0
          else "ln(K+1): the loss of a model with no signal", results.get("no_signal_loss")),
     ]
+    throughput = [
+        ("training images/s, all processes (windows after the first)", results.get("images_per_second"), "{:>8.1f}"),
+        ("share of training time waiting for data", results.get("data_wait_fraction"), "{:>8.1%}"),
+    ]
+    rows = [(label, value, "{:>8.4f}") for label, value in rows] + throughput
     width = max(len(r[0]) for r in rows)
     print("\n" + "=" * (width + 12))
-    for label, value in rows:
+    for label, value, style in rows:
         if value is not None:
-            print(f"{label:<{width}}  {value:>8.4f}")
+            print(f"{label:<{width}}  {style.format(value)}")
     print("=" * (width + 12))
     print(f"Checkpoint ({type(model).__name__}, loads with AutoModel.from_pretrained after `import hf_contrast`):")
     print(f"  {os.path.abspath(final_dir)}")

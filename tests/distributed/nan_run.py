@@ -1,5 +1,6 @@
 """Run under ``torchrun --nproc_per_node 2``: SimCLR without gathering (each rank's loss is its own), and
-at the end of step 2 rank 1's projection head is poisoned with NaN, so only rank 1's loss is NaN at step 2.
+at the end of step 2 rank 1's projection head is poisoned with NaN, so only rank 1's loss is NaN at step 2;
+the guard reports it at the next logging step (3).
 Every rank writes the NonFiniteLossError it raised (or none) to ``OUT/nan_rank<r>.json``."""
 
 import json
@@ -38,7 +39,7 @@ def main(out_dir: str) -> None:
     data = datasets.Dataset.from_dict({"pixel_values": x.numpy(), "pixel_values_2": (x + 0.1).numpy()}).with_format("torch")
     model = SimCLRModel(SimCLRConfig(backbone="test_vit", gather_distributed=False, **TINY))
     args = ContrastiveTrainingArguments(
-        output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=4, max_steps=5, learning_rate=0.01,
+        output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=4, max_steps=5, learning_rate=0.01, logging_steps=3,
         save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, report_to="none",
     )
     trainer = ContrastiveTrainer(model=model, args=args, train_dataset=data, callbacks=[PoisonRank1(model)])
