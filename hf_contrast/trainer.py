@@ -74,8 +74,8 @@ class ContrastiveTrainingArguments(TrainingArguments):
             each view's parameters; both views are made in the training step on the model's device
             (:class:`~hf_contrast.DeviceAugmentation`, a few batched kernels).
 
-    ``accelerator_config`` defaults to ``{"non_blocking": True}``: batches are copied to the device from
-    pinned memory without waiting for it (a blocking copy is a host-device sync in every step).
+    ``accelerator_config`` defaults to ``{"non_blocking": True}`` on CUDA: batches are copied to the device
+    from pinned memory without waiting for it (a blocking copy is a host-device sync in every step).
     """
 
     output_dir: str | None = field(default="outputs", metadata={"help": "Where checkpoints and the final model go."})
@@ -94,8 +94,8 @@ class ContrastiveTrainingArguments(TrainingArguments):
         "help": "Workers only decode and resize; the views are made batched on the model's device."})
 
     def __post_init__(self):
-        if self.accelerator_config is None:  # pinned batches copied without a host-device sync
-            self.accelerator_config = {"non_blocking": True}
+        if self.accelerator_config is None and torch.cuda.is_available() and not self.use_cpu:
+            self.accelerator_config = {"non_blocking": True}  # pinned batches copied without a host-device sync
         super().__post_init__()
 
 
