@@ -8,7 +8,7 @@ import math
 
 import torch
 from transformers import HfArgumentParser, TrainerCallback
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .checkpointing import previous_run
 
@@ -40,19 +40,33 @@ def _number(value):
     return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
+def numeric_logs(logs: dict) -> dict:
+    """A log with floats rounded to 4 significant digits and kept numbers: transformers 5's progress bar and
+    printer print them as quoted strings (``{'loss': '2.382'}``)."""
+    return {k: _number(v) for k, v in logs.items() if k != "total_flos"}
+
+
 class NumericProgressCallback(ProgressCallback):
-    """transformers' progress bar, printing each log as ``{'loss': 2.382, 'epoch': 0.5}``: numbers, not
-    the quoted strings (``'2.382'``) of transformers 5's bar. The line is still a Python literal."""
+    """transformers' progress bar, writing each log as ``{'loss': 2.382, 'epoch': 0.5}`` (a Python literal)."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and self.training_bar is not None:
-            self.training_bar.write(str({k: _number(v) for k, v in logs.items() if k != "total_flos"}))
+            self.training_bar.write(str(numeric_logs(logs)))
+
+
+class NumericPrinterCallback(PrinterCallback):
+    """transformers' printer (``disable_tqdm``), printing numbers as numbers."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_local_process_zero and logs is not None:
+            print(numeric_logs(logs))
 
 
 def use_numeric_progress(trainer) -> None:
-    """Swap the trainer's progress bar for :class:`NumericProgressCallback` (no-op with ``disable_tqdm``)."""
-    if trainer.pop_callback(ProgressCallback) is not None:
-        trainer.add_callback(NumericProgressCallback)
+    """Swap the trainer's progress bar or printer for the numeric ones above."""
+    for stock, numeric in ((ProgressCallback, NumericProgressCallback), (PrinterCallback, NumericPrinterCallback)):
+        if trainer.pop_callback(stock) is not None:
+            trainer.add_callback(numeric)
 
 
 class StreamEpochCallback(TrainerCallback):

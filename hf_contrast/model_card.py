@@ -40,22 +40,23 @@ SOURCE_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / TEMPLATE
 def default_template_text() -> str:
     """The text of the model card template ``encoder_card.md.jinja``.
 
-    Read from the package data ``hf_contrast.model_cards`` with :mod:`importlib.resources` (a wheel, a zip, an
-    editable install), else from the repository's ``model_cards/`` folder beside ``hf_contrast/``: a clone used
-    without installing (``PYTHONPATH=.``) has no ``hf_contrast.model_cards`` package, which only the install's
-    ``package-dir`` mapping creates.
+    In a source checkout (``hf_contrast/`` beside ``pyproject.toml`` and ``model_cards/``) the checkout's own
+    ``model_cards/`` is read: a clone used without installing (``PYTHONPATH=.``) has no ``hf_contrast.model_cards``
+    package, which only an install's ``package-dir`` mapping creates, and a clone run in front of another install
+    must not render that install's template. Otherwise (a wheel, a zip) the package data ``hf_contrast.model_cards``
+    is read with :mod:`importlib.resources`.
 
     Raises:
         FileNotFoundError: neither is there (call it before training to fail early).
     """
+    if SOURCE_TEMPLATE.is_file() and (SOURCE_TEMPLATE.parents[1] / "pyproject.toml").is_file():
+        return SOURCE_TEMPLATE.read_text(encoding="utf-8")
     try:
         resource = importlib.resources.files("hf_contrast.model_cards").joinpath(TEMPLATE_NAME)
         if resource.is_file():
             return resource.read_text(encoding="utf-8")
-    except ModuleNotFoundError:  # a source checkout on PYTHONPATH: the template is in <repo>/model_cards/
+    except ModuleNotFoundError:  # no package data and no checkout
         pass
-    if SOURCE_TEMPLATE.is_file():
-        return SOURCE_TEMPLATE.read_text(encoding="utf-8")
     raise FileNotFoundError(
         f"The model card template {TEMPLATE_NAME} is neither in the package hf_contrast.model_cards nor at "
         f"{SOURCE_TEMPLATE}: reinstall hf_contrast (pip install .), run from a complete clone, or pass "
