@@ -18,7 +18,7 @@ import tomllib
 import transformers
 
 from hf_contrast import ContrastiveTrainer, ContrastiveTrainingArguments, MoCoModel, two_view_dataset
-from hf_contrast.checkpointing import COMPLETE_MARKER, CheckpointError, resume_target
+from hf_contrast.checkpointing import COMPLETE_MARKER, CheckpointError
 from hf_contrast.configuration import MoCoConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,6 +46,8 @@ def fake_checkpoint(folder: Path, complete: bool = True) -> Path:
 # --- 1. resume as documented -------------------------------------------------------------------------------
 
 def test_resume_accepts_true_last_and_a_path(tmp_path):
+    from hf_contrast.checkpointing import resume_target
+
     last = fake_checkpoint(tmp_path / "checkpoint-7")
     fake_checkpoint(tmp_path / "checkpoint-9", complete=False)  # half-written: never picked
     for value in (True, "true", "True", "last", "LAST"):
@@ -230,6 +232,16 @@ def test_license_is_an_spdx_string():
 
 
 # --- 10. a clone used without installing ------------------------------------------------------------------------
+
+def test_a_missing_card_template_stops_the_run_before_training(pretrain, tmp_path, monkeypatch):
+    def missing():
+        raise FileNotFoundError("The model card template encoder_card.md.jinja is neither ...")
+
+    monkeypatch.setattr(pretrain, "default_template_text", missing)
+    with pytest.raises(FileNotFoundError, match="encoder_card.md.jinja"):
+        pretrain.main(BASE + ["--max_steps", "2", "--output_dir", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()  # no step ran, nothing written
+
 
 CLONE_RUN = textwrap.dedent("""
     import runpy, sys
