@@ -196,6 +196,19 @@ def test_a_streams_epoch_is_its_position():
     assert state.epoch == pytest.approx(1.16)
 
 
+def test_a_streamed_run_logs_the_epoch_it_reached(pretrain, digits, tmp_path):
+    from hf_contrast import write_shards
+
+    write_shards(digits["train"].select(range(384)), str(tmp_path / "shards"), images_per_shard=96)
+    out = tmp_path / "out"
+    pretrain.main(BASE + ["--dataset_name", "webdataset", "--data_files", str(tmp_path / "shards" / "*.tar"),
+                          "--streaming", "True", "--knn_samples", "40", "--per_device_train_batch_size", "32",
+                          "--max_steps", "3", "--save_steps", "3", "--output_dir", str(out)])
+    history = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+    epochs = [h["epoch"] for h in history if "loss" in h]
+    assert epochs == pytest.approx([1 / 12, 2 / 12, 3 / 12], abs=1e-4)  # 32 of 384 images a step; old code: 1/3, 2/3, 1
+
+
 # --- 9. noise ------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU case")
