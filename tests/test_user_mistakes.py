@@ -239,6 +239,20 @@ def test_image_processor_of_an_export_loads_without_a_false_warning(tmp_path, ca
     assert "Falling back" not in "".join(capfd.readouterr())
 
 
+def test_torchrun_does_not_warn_about_broadcast_buffers(tmp_path):
+    """torch >= 2.13 deprecates DDP's ``broadcast_buffers`` (which transformers passes as ``ddp_broadcast_buffers=False``
+    through accelerate) and warned once per process; its replacement would broadcast rank 0's buffers at wrap time."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    argv = BASE + ["--use_cpu", "--per_device_train_batch_size", "8", "--max_train_samples", "64", "--max_steps", "2",
+                   "--output_dir", str(tmp_path / "run")]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          str(REPO / "training" / "pretrain.py"), *argv], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "broadcast_buffers" not in run.stderr + run.stdout and "world size 2" in run.stdout
+
+
 def test_license_is_an_spdx_string():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"
