@@ -62,6 +62,14 @@ def test_resume_accepts_true_last_and_a_path(tmp_path):
         resume_target("last", str(tmp_path / "empty"))
 
 
+def test_help_says_how_to_resume(pretrain, capsys):
+    with pytest.raises(SystemExit):
+        pretrain.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "`last` or `true` picks the last complete checkpoint-N of --output_dir" in text
+    assert "--overwrite_output_dir" in text
+
+
 @pytest.fixture
 def tiny_trainer(digits, tmp_path):
     from hf_contrast import TwoViewAugmentation
