@@ -364,7 +364,8 @@ class ContrastiveTrainer(Trainer):
                     f"resume_from_checkpoint='last' (training/pretrain.py: --resume_from_checkpoint last)." if last
                     else f"hf_contrast: no complete checkpoint was saved in {self.args.output_dir} before this error.")
             if self.args.should_save:
-                error.add_note(note)
+                if hasattr(error, "add_note"):  # Python >= 3.11: shown under the traceback
+                    error.add_note(note)
                 logger.error(note)
             raise
         self._check_loss_guard()  # steps after the last logging step
