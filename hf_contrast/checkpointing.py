@@ -58,6 +58,63 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
 
 
+RESUME_LAST = ("true", "last", "yes", "1")  # --resume_from_checkpoint words for "the last complete checkpoint"
+RESUME_NONE = ("", "false", "no", "none", "0")  # words for "do not resume"
+RESUME_HELP = ("Resume training: `last` or `true` picks the last complete checkpoint-N of --output_dir (folders "
+               "half-written when a process died are skipped); a path resumes from that checkpoint folder.")
+
+
+def resume_target(value: str | bool | None, output_dir: str) -> str | None:
+    """The checkpoint folder ``resume_from_checkpoint`` names, or None (do not resume).
+
+    Args:
+        value: ``True`` or one of ``"true"``, ``"last"`` (any case): the last complete ``checkpoint-N`` of
+            ``output_dir``; ``None``, ``False`` or ``"false"``/``"none"``: no resume; any other string: a
+            checkpoint folder, which must be complete.
+        output_dir: the run's output directory.
+
+    Raises:
+        CheckpointError: ``output_dir`` holds no complete checkpoint, or the path is not a complete checkpoint.
+    """
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in RESUME_NONE):
+        return None
+    if value is True or value.strip().lower() in RESUME_LAST:
+        last = last_complete_checkpoint(output_dir)
+        if last is None:
+            half = incomplete_checkpoints(output_dir)
+            raise CheckpointError(
+                f"There is no complete checkpoint to resume from in output_dir={output_dir!r}"
+                + (f" (only half-written ones: {[os.path.basename(h) for h in half]})" if half else "")
+                + ": start without --resume_from_checkpoint, or pass the --output_dir of the run to resume."
+            )
+        return last
+    if not os.path.isdir(value):
+        raise CheckpointError(f"resume_from_checkpoint={value!r} is not a folder: pass a checkpoint-N folder, or "
+                              "`last` for the last complete checkpoint of --output_dir.")
+    if not is_complete(value) and not os.path.isfile(os.path.join(value, "trainer_state.json")):
+        last = last_complete_checkpoint(value) or last_complete_checkpoint(os.path.dirname(os.path.abspath(value)))
+        hint = f" The last complete checkpoint nearby is {last}." if last else ""
+        raise CheckpointError(
+            f"resume_from_checkpoint={value!r} is not a complete checkpoint (it has no trainer_state.json, which "
+            f"the Trainer writes last: a checkpoint-N folder written by a run, not an output_dir or a half-written "
+            f"folder).{hint}"
+        )
+    return value
+
+
+def previous_run(output_dir: str) -> list[str]:
+    """What a finished or interrupted run left in ``output_dir``: its ``checkpoint-N`` folders and non-empty
+    ``final`` / ``encoder`` folders (names relative to ``output_dir``, sorted)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in sorted(os.listdir(output_dir)):
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path) and (_CHECKPOINT_RE.match(name) or (name in ("final", "encoder") and os.listdir(path))):
+            found.append(name)
+    return found
+
+
 def incomplete_checkpoints(output_dir: str) -> list[str]:
     """``checkpoint-N`` folders of ``output_dir`` that lack the completion marker."""
     if not os.path.isdir(output_dir):

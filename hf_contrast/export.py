@@ -144,3 +144,23 @@ def export_encoder(source, directory: str | Path, *, card: EncoderCardData | Non
     card.to_model_card(curves_file=curves.name if curves else None).save(directory / CARD_NAME)
     logger.info(f"Exported the {card.backbone} encoder to {directory}")
     return directory
+
+
+def load_image_processor(name_or_path: str | Path, **kwargs):
+    """``AutoImageProcessor`` of an encoder export (its ``pretrained_cfg``: size, mean/std), without a false warning.
+
+    transformers 5 maps timm exports (``model_type`` ``timm_wrapper``) to one image processor, a PIL-backend
+    class, but picks the torchvision backend by default whenever torchvision is installed, so every plain load
+    warns "Requested torchvision backend is not available. Falling back to pil backend." (untrue, and nothing to
+    act on). Asking for the ``pil`` backend loads the same class without it.
+
+    Args:
+        name_or_path: an export folder or Hub repo id.
+        kwargs: passed to ``AutoImageProcessor.from_pretrained``.
+    """
+    from transformers import AutoImageProcessor
+    from transformers.models.auto import image_processing_auto
+
+    if hasattr(image_processing_auto, "_resolve_backend"):  # a transformers that chooses backends
+        kwargs.setdefault("backend", "pil")
+    return AutoImageProcessor.from_pretrained(name_or_path, **kwargs)

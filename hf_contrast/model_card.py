@@ -34,18 +34,34 @@ METHOD_NAMES = {"hf_contrast_moco": "MoCo", "hf_contrast_simclr": "SimCLR", "hf_
 _CURVE_KEYS = (("loss", "contrastive loss"), ("contrastive_top1", "contrastive top-1"), ("knn_top1", "kNN top-1"))
 
 
-def default_template_text() -> str:
-    """The text of the packaged template ``hf_contrast.model_cards/encoder_card.md.jinja``.
+SOURCE_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / TEMPLATE_NAME  # in a source checkout
 
-    Read with :mod:`importlib.resources`, so it works from a wheel, a zip and an editable install alike.
+
+def default_template_text() -> str:
+    """The text of the model card template ``encoder_card.md.jinja``.
+
+    In a source checkout (``hf_contrast/`` beside ``pyproject.toml`` and ``model_cards/``) the checkout's own
+    ``model_cards/`` is read: a clone used without installing (``PYTHONPATH=.``) has no ``hf_contrast.model_cards``
+    package, which only an install's ``package-dir`` mapping creates, and a clone run in front of another install
+    must not render that install's template. Otherwise (a wheel, a zip) the package data ``hf_contrast.model_cards``
+    is read with :mod:`importlib.resources`.
+
+    Raises:
+        FileNotFoundError: neither is there (call it before training to fail early).
     """
-    resource = importlib.resources.files("hf_contrast.model_cards").joinpath(TEMPLATE_NAME)
-    if not resource.is_file():
-        raise FileNotFoundError(
-            f"The model card template {TEMPLATE_NAME} is missing from the package hf_contrast.model_cards: "
-            "reinstall hf_contrast, or pass template_path= to EncoderCardData.to_model_card."
-        )
-    return resource.read_text(encoding="utf-8")
+    if SOURCE_TEMPLATE.is_file() and (SOURCE_TEMPLATE.parents[1] / "pyproject.toml").is_file():
+        return SOURCE_TEMPLATE.read_text(encoding="utf-8")
+    try:
+        resource = importlib.resources.files("hf_contrast.model_cards").joinpath(TEMPLATE_NAME)
+        if resource.is_file():
+            return resource.read_text(encoding="utf-8")
+    except ModuleNotFoundError:  # no package data and no checkout
+        pass
+    raise FileNotFoundError(
+        f"The model card template {TEMPLATE_NAME} is neither in the package hf_contrast.model_cards nor at "
+        f"{SOURCE_TEMPLATE}: reinstall hf_contrast (pip install .), run from a complete clone, or pass "
+        "template_path= to EncoderCardData.to_model_card."
+    )
 
 
 def describe_augmentation(augmentation) -> str:
@@ -99,6 +115,8 @@ class EncoderCardData:
         knn_baselines: other kNN results to show next to it, e.g. ``{"random init": 0.7}``.
         datasets: Hub dataset ids trained on (YAML ``datasets``).
         dataset_description: the training data in words.
+        num_train_images: images the model was trained on (the training split, not a held-out one; default from a
+            trainer: the length of its training dataset, or a stream's recorded shard sizes).
         repo_id: the Hub repo, used in the loading snippets.
         license: YAML ``license``.
         log_history: ``trainer.state.log_history``, plotted as the training curves.
@@ -137,6 +155,7 @@ class EncoderCardData:
     knn_baselines: dict[str, float] = field(default_factory=dict)
     datasets: list[str] = field(default_factory=list)
     dataset_description: str | None = None
+    num_train_images: int | None = None
     repo_id: str | None = None
     license: str = "apache-2.0"
     log_history: list[dict[str, Any]] = field(default_factory=list, repr=False)
@@ -221,6 +240,12 @@ class EncoderCardData:
             epochs=state.epoch,
             log_history=list(state.log_history),
         )
+        dataset = trainer.train_dataset
+        sizes = getattr(dataset, "shard_sizes", None)
+        if sizes:  # a stream with recorded shard sizes
+            fields["num_train_images"] = int(sum(sizes))
+        elif hasattr(dataset, "__len__"):
+            fields["num_train_images"] = len(dataset)
         if hasattr(trainer, "negatives_per_anchor"):
             fields["negatives"] = trainer.negatives_per_anchor()
         return cls.from_model(model, augmentation, **{**fields, **overrides})

@@ -7,6 +7,7 @@ import functools
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import datasets
@@ -17,14 +18,15 @@ from transformers.utils import logging
 
 from . import distributed
 from .checkpointing import (
+    RESUME_LAST,
     CheckpointError,
     check_checkpoint,
     incomplete_checkpoints,
-    is_complete,
     last_complete_checkpoint,
     load_rank_buffers,
     load_stream_state,
     mark_complete,
+    resume_target,
     save_rank_buffers,
     save_stream_state,
 )
@@ -330,22 +332,42 @@ class ContrastiveTrainer(Trainer):
         return negatives_per_anchor(model.config, self.args.per_device_train_batch_size, self.args.world_size)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``Trainer.train``; ``resume_from_checkpoint=True`` picks the last COMPLETE checkpoint
-        (folders half-written when a process died are skipped, with a warning)."""
-        if resume_from_checkpoint is True:
+        """``Trainer.train``, resuming as the command line says it.
+
+        Args:
+            resume_from_checkpoint: ``True``, ``"true"`` or ``"last"``: the last COMPLETE checkpoint of
+                ``output_dir`` (folders half-written when a process died are skipped, with a warning); a path: that
+                checkpoint folder, which must be complete; ``None``, ``False`` or ``"false"``: start afresh.
+
+        Raises:
+            CheckpointError: before any step, when there is no checkpoint to resume from or the path is not one.
+
+        An error during training names the last complete checkpoint (kept on disk) and how to resume from it.
+        """
+        if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str)
+                                              and resume_from_checkpoint.strip().lower() in RESUME_LAST):
             for folder in incomplete_checkpoints(self.args.output_dir):
                 logger.warning(f"Skipping {folder}: it was not completely written (the process died while saving it)")
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise CheckpointError(f"No complete checkpoint to resume from in output_dir={self.args.output_dir!r}")
-        elif (isinstance(resume_from_checkpoint, str) and not is_complete(resume_from_checkpoint)
-              and not os.path.isfile(os.path.join(resume_from_checkpoint, "trainer_state.json"))):
-            raise CheckpointError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r} is not a complete checkpoint (no trainer_state.json, "
-                "which the Trainer writes last). Pass resume_from_checkpoint=True to pick the last complete one."
-            )
+        resume_from_checkpoint = resume_target(resume_from_checkpoint, self.args.output_dir)
         self._log_setup()
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            with warnings.catch_warnings():
+                # torch >= 2.13 deprecates DDP's broadcast_buffers (transformers passes ddp_broadcast_buffers=False
+                # through accelerate) for forward_sync_buffers, which would still broadcast rank 0's buffers at
+                # wrap time and so overwrite the per-process BatchNorm statistics a resume just restored. The
+                # warning itself says to keep broadcast_buffers=False for rank-local buffers: there is nothing to act on.
+                warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+                output = super().train(resume_from_checkpoint, *args, **kwargs)
+        except (Exception, KeyboardInterrupt) as error:
+            last = last_complete_checkpoint(self.args.output_dir) if self.args.should_save else None
+            note = (f"hf_contrast: the last complete checkpoint, {last}, is kept: resume from it with "
+                    f"resume_from_checkpoint='last' (training/pretrain.py: --resume_from_checkpoint last)." if last
+                    else f"hf_contrast: no complete checkpoint was saved in {self.args.output_dir} before this error.")
+            if self.args.should_save:
+                if hasattr(error, "add_note"):  # Python >= 3.11: shown under the traceback
+                    error.add_note(note)
+                logger.error(note)
+            raise
         self._check_loss_guard()  # steps after the last logging step
         return output
 
@@ -388,7 +410,7 @@ class ContrastiveTrainer(Trainer):
         a = self.args
         if not a.should_log:  # the main process speaks for all
             return
-        logger.warning(
+        logger.info(  # INFO: a description, not a problem (pretrain.py's logging shows INFO)
             f"Contrastive setup: per-device batch {a.per_device_train_batch_size}, world size {a.world_size}, "
             f"gradient accumulation {a.gradient_accumulation_steps}, global batch "
             f"{a.per_device_train_batch_size * a.world_size * a.gradient_accumulation_steps}, "

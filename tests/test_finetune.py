@@ -71,17 +71,20 @@ def test_random_init_is_timms_init_of_the_same_architecture(export):
     assert random.config.id2label[3] == "3" and random.timm_model.num_classes == 10
 
 
-def test_finetune_script_trains_a_transformers_classifier(export, digits, tmp_path):
+def test_finetune_script_trains_a_transformers_classifier(export, digits, tmp_path, capsys, recwarn):
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
     from hf_contrast.data import to_rgb
 
     directory, _ = export
     argv = ["--model_name_or_path", str(directory), "--max_train_samples", "64", "--max_eval_samples", "64",
-            "--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--output_dir", str(tmp_path),
+            "--max_steps", "2", "--per_device_train_batch_size", "32", "--output_dir", str(tmp_path),
             "--use_cpu", "--disable_tqdm", "true", "--compare_random_init"]
     results = finetune.main(argv, dataset=digits)
     assert set(results) == {"accuracy_pretrained", "accuracy_random_init"}
+    out = capsys.readouterr().out
+    assert "(2 optimizer steps)" in out and "epochs" not in out  # --max_steps: not the default 3 epochs
+    assert not [w for w in recwarn if "pin_memory" in str(w.message)]  # no pinning on a CPU run
     tuned = AutoModelForImageClassification.from_pretrained(tmp_path / "model")  # loads without hf_contrast code
     assert tuned.config.num_labels == 10 and type(tuned).__name__ == "TimmWrapperForImageClassification"
     # the reported accuracy is the saved classifier's on the 64 test digits, recomputed here by hand

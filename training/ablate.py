@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 from false_negative_report import write_report as write_false_negative_report
-from transformers import HfArgumentParser, set_seed
+from transformers import set_seed
 
 import hf_contrast
 from hf_contrast import (
@@ -51,6 +51,7 @@ from hf_contrast import (
     knn_accuracy,
     two_view_dataset,
 )
+from hf_contrast.cli import make_parser
 from hf_contrast.data import DIGITS_MEAN, DIGITS_STD
 
 logger = logging.getLogger("ablate")
@@ -239,7 +240,7 @@ def baselines(a: AblationArguments, data: dict, path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    (a,) = HfArgumentParser(AblationArguments).parse_args_into_dataclasses(args=argv)
+    (a,) = make_parser(AblationArguments).parse_args_into_dataclasses(args=argv)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO,
                         handlers=[logging.StreamHandler(sys.stdout)])
     transformers.utils.logging.set_verbosity_error()

@@ -27,17 +27,12 @@ import numpy as np
 import timm
 import torch
 import transformers
-from transformers import (
-    AutoImageProcessor,
-    AutoModelForImageClassification,
-    HfArgumentParser,
-    Trainer,
-    TrainingArguments,
-    set_seed,
-)
+from transformers import AutoModelForImageClassification, Trainer, TrainingArguments, set_seed
 
 import hf_contrast
+from hf_contrast.cli import fit_loader_to_device, make_parser, use_numeric_progress
 from hf_contrast.data import find_image_column, to_rgb
+from hf_contrast.export import load_image_processor
 
 logger = logging.getLogger("finetune")
 
@@ -173,7 +168,7 @@ def finetune(model_args: ModelArguments, splits, label_column: str, training_arg
         splits: ``(train, test, label_names, image_column, name)`` from :func:`load_labelled_splits`.
     """
     train, test, label_names, image_column, _ = splits
-    processor = AutoImageProcessor.from_pretrained(model_args.model_name_or_path)
+    processor = load_image_processor(model_args.model_name_or_path)
     set_seed(training_args.seed)
     model = load_classifier(model_args.model_name_or_path, label_names, random_init, training_args.seed)
     trainer = Trainer(
@@ -181,18 +176,27 @@ def finetune(model_args: ModelArguments, splits, label_column: str, training_arg
         train_dataset=with_processor(train, processor, image_column, label_column),
         eval_dataset=with_processor(test, processor, image_column, label_column),
     )
+    use_numeric_progress(trainer)  # {'loss': 2.38, ...}, not {'loss': '2.38', ...}
     trainer.train()
     if not random_init:
         trainer.save_model(os.path.join(training_args.output_dir, "model"))
     return trainer.evaluate()["eval_accuracy"]
 
 
+def training_length(training_args: TrainingArguments) -> str:
+    """How long each model trained, as the Trainer reads the arguments: ``--max_steps`` wins over epochs."""
+    if training_args.max_steps > 0:
+        return f"{training_args.max_steps} optimizer steps"
+    return f"{training_args.num_train_epochs:g} epochs"
+
+
 def main(argv: list[str] | None = None, dataset: datasets.DatasetDict | None = None) -> dict[str, float]:
     """Run the script with command-line ``argv``; ``dataset`` replaces the one the flags name (tests,
     notebooks)."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    parser = make_parser((ModelArguments, DataArguments, TrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    fit_loader_to_device(training_args)  # no pin_memory warning on the CPU
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         handlers=[logging.StreamHandler(sys.stdout)])
     transformers.utils.logging.set_verbosity_warning()
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None, dataset: datasets.DatasetDict | None = N
         results["accuracy_random_init"] = finetune(model_args, splits, data_args.label_column, training_args,
                                                    random_init=True)
     if training_args.process_index == 0:
-        print(f"\nFine-tuned {model_args.model_name_or_path} ({training_args.num_train_epochs:g} epochs), test accuracy:")
+        print(f"\nFine-tuned {model_args.model_name_or_path} ({training_length(training_args)}), test accuracy:")
         print(f"  {'pretrained encoder':<32} {results['accuracy_pretrained']:.4f}")
         if "accuracy_random_init" in results:
             print(f"  {'same architecture, random init':<32} {results['accuracy_random_init']:.4f}")

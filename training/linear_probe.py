@@ -29,9 +29,11 @@ import transformers
 from finetune import DataArguments, load_labelled_splits, timm_random_init_, with_processor
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import AutoImageProcessor, AutoModel, HfArgumentParser
+from transformers import AutoModel
 
 from hf_contrast import knn_top1
+from hf_contrast.cli import make_parser
+from hf_contrast.export import load_image_processor
 
 logger = logging.getLogger("linear_probe")
 
@@ -109,7 +111,7 @@ def probe(args: ProbeArguments, splits, label_column: str, random_init: bool = F
         splits: ``(train, test, label_names, image_column, name)`` from ``load_labelled_splits``.
     """
     train, test, label_names, image_column, _ = splits
-    processor = AutoImageProcessor.from_pretrained(args.model_name_or_path)
+    processor = load_image_processor(args.model_name_or_path)
     model = AutoModel.from_pretrained(args.model_name_or_path)
     if random_init:
         timm_random_init_(model, args.seed)
@@ -123,7 +125,7 @@ def probe(args: ProbeArguments, splits, label_column: str, random_init: bool = F
 def main(argv: list[str] | None = None, dataset: datasets.DatasetDict | None = None) -> dict[str, dict[str, float]]:
     """Run the script with command-line ``argv``; ``dataset`` replaces the one the flags name (tests,
     notebooks)."""
-    parser = HfArgumentParser((ProbeArguments, DataArguments))
+    parser = make_parser((ProbeArguments, DataArguments))
     args, data_args = parser.parse_args_into_dataclasses(args=argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         handlers=[logging.StreamHandler(sys.stdout)])

