@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import HfArgumentParser, TrainerCallback
+from transformers import HfArgumentParser
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .checkpointing import previous_run
@@ -67,26 +67,6 @@ def use_numeric_progress(trainer) -> None:
     for stock, numeric in ((ProgressCallback, NumericProgressCallback), (PrinterCallback, NumericPrinterCallback)):
         if trainer.pop_callback(stock) is not None:
             trainer.add_callback(numeric)
-
-
-class StreamEpochCallback(TrainerCallback):
-    """``state.epoch`` of a streamed run: the stream's own position (epoch + batches taken / batches per epoch).
-
-    transformers counts an epoch as ``max_steps`` when the dataset has no length, so a 20-step run over a
-    stream of 4,000 images logged ``epoch: 1`` after 640 of them; the logs, the checkpoints' trainer state and
-    the model card read ``state.epoch``, set here after every step.
-    """
-
-    def __init__(self, stream):
-        self.stream = stream
-        self._per_epoch: dict[int, int] = {}
-
-    def on_step_end(self, args, state, control, **kwargs):
-        position = self.stream.state_dict()
-        epoch = position["epoch"]
-        if epoch not in self._per_epoch:  # a shard plan per epoch: computed once
-            self._per_epoch[epoch] = self.stream.batches_per_epoch(epoch)
-        state.epoch = epoch + position["batches"] / self._per_epoch[epoch]
 
 
 def check_output_dir(output_dir: str, resume: bool, overwrite: bool, script: str = "training/pretrain.py") -> None:

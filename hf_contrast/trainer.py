@@ -96,8 +96,11 @@ class ContrastiveTrainingArguments(TrainingArguments):
         "help": "Workers only decode and resize; the views are made batched on the model's device."})
 
     def __post_init__(self):
-        if self.accelerator_config is None and torch.cuda.is_available() and not self.use_cpu:
+        cuda = torch.cuda.is_available() and not self.use_cpu
+        if self.accelerator_config is None and cuda:
             self.accelerator_config = {"non_blocking": True}  # pinned batches copied without a host-device sync
+        if not cuda:
+            self.dataloader_pin_memory = False  # pinning without an accelerator only warns
         super().__post_init__()
 
 
@@ -168,6 +171,26 @@ class EpochCallback(TrainerCallback):
             dataset.set_epoch(math.floor((state.epoch or 0.0) + 1e-6))
 
 
+class StreamEpochCallback(TrainerCallback):
+    """``state.epoch`` of a streamed run: the stream's own position (epoch + batches taken / batches per epoch).
+
+    transformers counts an epoch as ``max_steps`` when the dataset has no length, so a 20-step run over a
+    stream of 4,000 images logged ``epoch: 1`` after 640 of them; the logs, the checkpoints' trainer state and
+    the model card read ``state.epoch``, set here after every step.
+    """
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._per_epoch: dict[int, int] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        position = self.stream.state_dict()
+        epoch = position["epoch"]
+        if epoch not in self._per_epoch:  # a shard plan per epoch: computed once
+            self._per_epoch[epoch] = self.stream.batches_per_epoch(epoch)
+        state.epoch = epoch + position["batches"] / self._per_epoch[epoch]
+
+
 class ContrastiveTrainer(Trainer):
     """Trainer for :class:`MoCoModel`, :class:`MoCoV3Model` and :class:`SimCLRModel`.
 
@@ -203,6 +226,8 @@ class ContrastiveTrainer(Trainer):
         self.is_mocov3 = isinstance(model, MoCoV3Model)
         self.has_queue = self.is_moco or (self.is_mocov3 and model.has_queue)  # keys enqueued after each loss
         self.add_callback(EpochCallback(self))
+        if isinstance(self.train_dataset, StreamingTwoViewDataset):  # epoch = the stream's position
+            self.add_callback(StreamEpochCallback(self.train_dataset))
         self.momentum_callback = MomentumCallback() if self.is_moco or self.is_mocov3 else None
         if self.momentum_callback is not None:
             self.add_callback(self.momentum_callback)

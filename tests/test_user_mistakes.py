@@ -190,7 +190,7 @@ def test_no_signal_label_names_the_methods_formula(pretrain):
 def test_a_streams_epoch_is_its_position():
     from types import SimpleNamespace
 
-    from hf_contrast.cli import StreamEpochCallback
+    from hf_contrast.trainer import StreamEpochCallback
 
     class Stream:  # 25 batches per epoch; 4 taken in epoch 1
         def state_dict(self):
@@ -223,8 +223,10 @@ def test_a_streamed_run_logs_the_epoch_it_reached(pretrain, digits, tmp_path):
 def test_loader_defaults_fit_a_cpu():
     from hf_contrast.cli import fit_loader_to_device
 
-    args = ContrastiveTrainingArguments(output_dir="unused")  # finetune.py's TrainingArguments: the same defaults
-    assert args.dataloader_pin_memory and args.accelerator_config.non_blocking  # transformers' defaults: both warn
+    args = ContrastiveTrainingArguments(output_dir="unused")  # no CUDA here: neither pinning nor non-blocking
+    assert not args.dataloader_pin_memory and not args.accelerator_config.non_blocking
+    args = transformers.TrainingArguments(output_dir="unused", accelerator_config={"non_blocking": True})  # finetune.py
+    assert args.dataloader_pin_memory and args.accelerator_config.non_blocking  # on a CPU: both warn
     fit_loader_to_device(args)
     assert not args.dataloader_pin_memory and not args.accelerator_config.non_blocking
 

@@ -68,7 +68,6 @@ from hf_contrast import (
 )
 from hf_contrast.checkpointing import RESUME_HELP, resume_target
 from hf_contrast.cli import (
-    StreamEpochCallback,
     check_output_dir,
     check_planned_steps,
     fit_loader_to_device,
@@ -392,8 +391,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if data_args.knn_every_n_steps > 0:  # knn_top1 in the logs and in the model card's curves
             KNNMonitor(tr, te, every_n_steps=data_args.knn_every_n_steps, k=data_args.knn_k).attach(trainer)
     use_numeric_progress(trainer)  # {'loss': 2.38, ...}, not {'loss': '2.38', ...}
-    if data_args.streaming:
-        trainer.add_callback(StreamEpochCallback(train_dataset))  # epoch = the stream's position, not steps/max_steps
     trainer.train(resume_from_checkpoint=resume)
     final_dir = os.path.join(training_args.output_dir, "final")
     trainer.save_model(final_dir)
