@@ -219,9 +219,14 @@ def count_tar_samples(path: str) -> int:
                 if not member.isfile():
                     continue
                 base = os.path.basename(member.name)
+                if base.startswith((".", "__")) or "." not in base:  # skipped by datasets' webdataset reader
+                    continue
                 key = os.path.join(os.path.dirname(member.name), base.split(".", 1)[0])
                 if key != last_key:
                     samples, last_key = samples + 1, key
+            if size < tar.offset + tarfile.BLOCKSIZE:  # tarfile stops quietly at a header cut short
+                raise tarfile.ReadError(f"the file ends at byte {size}, inside the header at byte {tar.offset} "
+                                        "(a complete tar ends with empty blocks there)")
     except tarfile.TarError as error:
         raise ShardError(f"Shard {path} is unreadable after {samples} samples ({error}): it is truncated or "
                          "damaged. " + _SHARD_FIX) from error

@@ -264,6 +264,7 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
                         yield value, key, int(self._offsets[index]) + offset
                         offset += 1
             except Exception as error:  # e.g. tarfile.ReadError on a truncated tar
+                offset = self._readable_count(index, offset)  # the chunk failed: find the sample
                 raise ShardError(f"Shard {self.shard_name(index)} cannot be read at sample {offset} of {n} "
                                  f"({type(error).__name__}: {error}): it is truncated or damaged. {_SHARD_FIX}") from error
             if offset < n:
@@ -286,6 +287,16 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
                     yield items[i]
                 index += 1
             block += 1
+
+    def _readable_count(self, index: int, start: int) -> int:
+        """Samples of shard ``index`` readable one by one from ``start`` on (on the error path only)."""
+        count = start
+        try:
+            for _ in self._shard(index).skip(start) if start else self._shard(index):
+                count += 1
+        except Exception:  # the failure being located
+            pass
+        return count
 
     def _decode(self, samples: list) -> tuple[torch.Tensor, list]:
         """``(B, 3, R, R)`` uint8 images of ``samples`` and their keys; an undecodable one replaced by
