@@ -406,16 +406,40 @@ def eval_dataset(
     dataset: datasets.Dataset, augmentation: TwoViewAugmentation, image_column: str | None = None,
     label_column: str = "label",
 ) -> datasets.Dataset:
-    """``dataset`` whose items are ``{"pixel_values", "labels"}``, deterministically transformed."""
+    """``dataset`` whose items are ``{"pixel_values", "labels"}``, deterministically transformed.
+
+    Images are decoded in the transform, so an unreadable one raises
+    :class:`~hf_contrast.preflight.UnreadableImageError` naming its file (datasets' own decoding would not).
+    """
     column = find_image_column(dataset, image_column)
     if label_column not in dataset.column_names:
         raise ValueError(f"label_column={label_column!r} is not a column of the dataset; its columns are {dataset.column_names}")
     pipeline = augmentation.eval_transform()
+    feature = dataset.features.get(column)
+    decode = None
+    if isinstance(feature, datasets.Image) and feature.decode:
+        dataset = dataset.cast_column(column, datasets.Image(decode=False))
+        decode = functools.partial(_decode_named, feature, column)
 
     def transform(batch):
-        return {"pixel_values": [pipeline(im) for im in batch[column]], "labels": batch[label_column]}
+        images = batch[column] if decode is None else [decode(value) for value in batch[column]]
+        return {"pixel_values": [pipeline(im) for im in images], "labels": batch[label_column]}
 
     return dataset.with_transform(transform)
+
+
+def _decode_named(feature: datasets.Image, column: str, value: dict) -> Image.Image:
+    """``feature.decode_example(value)`` decoded in full, or an error naming the file."""
+    try:
+        image = feature.decode_example(value)
+        image.load()
+        return image
+    except Exception as error:
+        path = value.get("path") or "bytes embedded in the dataset"
+        raise UnreadableImageError(
+            f"An image of column {column!r} cannot be read ({path}): {type(error).__name__}: {error}. Fix: delete or "
+            "replace the file; hf_contrast.preflight.check_images(dataset) lists every unreadable image before training."
+        ) from error
 
 
 def load_default_dataset(test_size: float = 0.2, seed: int = 0) -> datasets.DatasetDict:

@@ -53,20 +53,16 @@ def folder(tmp_path):
     readable), and a text file named .jpg."""
     for label in ("a", "b"):
         (tmp_path / "img" / label).mkdir(parents=True)
-    files = {}
     for i in range(8):
         data = png(i) if i % 4 == 3 else jpeg(i)
         name = tmp_path / "img" / "ab"[i % 2] / f"{i}.{'png' if i % 4 == 3 else 'jpg'}"
-        if i == 1:
-            data = data[:len(data) // 2]
-        elif i == 3:
+        if i in (1, 3):
             data = data[:len(data) // 2]
         elif i == 4:
             data = data[:-2]
         elif i == 6:
             data = data + b"\x00\x00\x00\x18ftypmp42" + bytes(200)
         name.write_bytes(data)
-        files[i] = str(name)
     (tmp_path / "img" / "a" / "8.jpg").write_text("<html>Not found</html>")
     return tmp_path / "img"
 
@@ -177,3 +173,16 @@ def test_undecodable_stream_samples_are_replaced_within_the_batch_counted_and_re
     resumed = stream(files, skip_bad_samples=1).configure(batch_size=5)
     resumed.load_state_dict(state)
     assert [b["__key__"] for b in resumed.loader()] == epochs[1][2:] and resumed.skipped_samples == 1
+
+
+def test_evaluation_names_an_unreadable_file(folder):
+    """The issue's run died in the end-of-run kNN with PIL's bare "Truncated File Read"."""
+    from hf_contrast import eval_dataset
+
+    ds = datasets.load_dataset("imagefolder", data_dir=str(folder), split="train")
+    paths = [v["path"] for v in ds.cast_column("image", datasets.Image(decode=False))["image"]]
+    ev = eval_dataset(ds, TwoViewAugmentation.small_images(16))
+    assert ev[0]["pixel_values"].shape == (3, 16, 16) and ev[0]["labels"] == ds[0]["label"]
+    bad = next(i for i, p in enumerate(paths) if p.endswith("1.jpg"))
+    with pytest.raises(UnreadableImageError, match=rf"\({paths[bad]}\): OSError: Truncated File Read.*check_images"):
+        ev[bad]
