@@ -46,6 +46,7 @@ from .monitors import (
     TrainingMonitor,
 )
 from .negatives import negatives_per_anchor
+from .preflight import ShardError, UnreadableImageError, check_images, check_shards
 from .queue import NegativeQueue
 from .shards import write_shards
 from .streaming import StreamingError, StreamingTwoViewDataset, streaming_two_view_dataset
@@ -85,6 +86,7 @@ __all__ = [
     "ProjectionHead",
     "QueueConsistencyMonitor",
     "RepresentationMonitor",
+    "ShardError",
     "SimCLRConfig",
     "SimCLRModel",
     "StreamingError",
@@ -93,8 +95,11 @@ __all__ = [
     "TrainingMonitor",
     "TwoViewAugmentation",
     "TwoViewDataset",
+    "UnreadableImageError",
     "alignment",
     "check_checkpoint",
+    "check_images",
+    "check_shards",
     "create_backbone",
     "ema_update_",
     "enqueue_",

@@ -25,6 +25,15 @@ views with the batched kernels of :mod:`hf_contrast.augment`, or, with ``device_
 stop there and ship ``uint8`` images with the views' parameters (drawn from the batch's seed) for
 :class:`~hf_contrast.DeviceAugmentation` to augment on the model's device.
 
+Unreadable data: :meth:`StreamingTwoViewDataset.configure` first walks the tar headers of local shards
+(:func:`hf_contrast.preflight.check_shards`: no image read) and names a truncated shard, or one whose
+sample count differs from ``sizes.json``. A shard that fails while streaming raises
+:class:`~hf_contrast.preflight.ShardError` naming it and the sample position. An image that does not
+decode raises naming its key, shard and position; with ``skip_bad_samples=N`` up to N distinct ones
+are replaced by the next decodable sample of the same batch (cyclically), so every batch keeps its
+size, every rank its step count, and, the batch being a pure function of ``(seed, epoch, slot,
+batch)``, a resumed run its batches; they are counted in :attr:`StreamingTwoViewDataset.skipped_samples`.
+
 Workers persist across epochs (:class:`StreamLoader` keeps one DataLoader iterator, whose dataset
 iterator runs epoch after epoch), so the next epoch's shards are opened while the current one ends.
 """
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 
 import datasets
 import numpy as np
@@ -40,6 +50,7 @@ import torch
 from PIL import Image
 
 from .data import TwoViewAugmentation, find_image_column, square_resized, views_seed
+from .preflight import ShardError, UnreadableImageError, check_shards
 
 _READ_CHUNK = 64  # raw samples fetched per datasets call
 
@@ -79,11 +90,16 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         source_size: side of the fixed-size images the workers make; default ``image_size * 8 / 7``
             (256 for 224 px crops).
         return_keys: add ``"__key__"`` (the samples' keys) to every batch.
+        skip_bad_samples: distinct undecodable images replaced (by the next decodable sample of their
+            batch) and counted in :attr:`skipped_samples` before one raises; per process (rank).
+        check_shards: walk the tar headers of local shards at :meth:`configure` (see
+            :func:`hf_contrast.preflight.check_shards`).
     """
 
     def __init__(self, dataset: datasets.IterableDataset, augmentation: TwoViewAugmentation,
                  image_column: str | None = None, seed: int = 0, shuffle_buffer: int = 1000,
-                 shard_sizes: list[int] | None = None, source_size: int | None = None, return_keys: bool = False):
+                 shard_sizes: list[int] | None = None, source_size: int | None = None, return_keys: bool = False,
+                 skip_bad_samples: int = 0, check_shards: bool = True):
         if not isinstance(dataset, datasets.IterableDataset):
             raise TypeError(f"dataset must be a datasets.IterableDataset (streaming=True), got {type(dataset).__name__}")
         if getattr(dataset, "_distributed", None) is not None:
@@ -91,10 +107,13 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
                                  "StreamingTwoViewDataset splits it by rank and by worker itself (exactly once)")
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer={shuffle_buffer!r} is invalid: it must be >= 1 (1: no shuffling)")
+        if isinstance(skip_bad_samples, bool) or not isinstance(skip_bad_samples, int) or skip_bad_samples < 0:
+            raise ValueError(f"skip_bad_samples={skip_bad_samples!r} is invalid: it must be an integer >= 0")
         self.image_column = find_image_column(dataset, image_column)
         columns = [self.image_column] + (["__key__"] if return_keys else [])
         self._raw = dataset.select_columns(columns).cast_column(self.image_column, datasets.Image(decode=False))
         self.num_shards = dataset.num_shards
+        self.shard_files = _shard_files(dataset)  # for messages and the pre-flight; None when unknown
         self.augmentation = augmentation
         self.seed = int(seed)
         self.shuffle_buffer = int(shuffle_buffer)
@@ -103,6 +122,12 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         if shard_sizes is not None and len(shard_sizes) != self.num_shards:
             raise ValueError(f"shard_sizes has {len(shard_sizes)} entries for a stream of {self.num_shards} shards")
         self.shard_sizes = list(shard_sizes) if shard_sizes is not None else self._count_shards()
+        self._offsets = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)  # shard starts
+        self.skip_bad_samples = skip_bad_samples
+        self.check_shards = check_shards
+        self._shards_checked = False
+        # the undecodable samples met, one byte per sample of the corpus, shared with the workers
+        self._bad = torch.zeros(int(self._offsets[-1]), dtype=torch.bool).share_memory_() if skip_bad_samples else None
         self.batch_size = self.rank = self.world_size = self.num_workers = None
         self.device_augmentation = False
         self.decoded = 0  # images decoded by this copy of the dataset (the main process's with 0 workers)
@@ -110,8 +135,39 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         self._start = (0, 0)  # what the next iteration starts from (copied into the workers)
 
     def _count_shards(self) -> list[int]:
-        return [sum(len(b[self.image_column]) for b in self._shard(i).iter(batch_size=_READ_CHUNK))
-                for i in range(self.num_shards)]
+        counts = []
+        for i in range(self.num_shards):
+            try:
+                counts.append(sum(len(b[self.image_column]) for b in self._shard(i).iter(batch_size=_READ_CHUNK)))
+            except Exception as error:  # a truncated or damaged tar
+                raise ShardError(f"Shard {self.shard_name(i)} cannot be read while counting its samples "
+                                 f"({type(error).__name__}: {error}). {_SHARD_FIX}") from error
+        return counts
+
+    def shard_name(self, index: int) -> str:
+        """Shard ``index``'s file when known, else its index."""
+        return self.shard_files[index] if self.shard_files else f"number {index} of {self.num_shards}"
+
+    def check(self) -> None:
+        """Walk the tar headers of the (local) shards and compare with ``shard_sizes``; once. Done by
+        :meth:`configure` when ``check_shards``; a no-op for remote or non-tar shards.
+
+        Raises:
+            ShardError: naming every bad shard and the fix.
+        """
+        files = self.shard_files
+        if files and all(f.endswith(".tar") and os.path.isfile(f) for f in files):
+            check_shards(files, self.shard_sizes)
+        self._shards_checked = True
+
+    @property
+    def skipped_samples(self) -> int:
+        """Distinct undecodable samples replaced so far on this rank (all its workers; restored on resume)."""
+        return 0 if self._bad is None else int(self._bad.sum())
+
+    def skipped_sample_ids(self) -> list[int]:
+        """Positions in the corpus (shards concatenated in order) of the samples replaced so far."""
+        return [] if self._bad is None else self._bad.nonzero().flatten().tolist()
 
     def _shard(self, index: int):
         return self._raw.shard(num_shards=self.num_shards, index=index)
@@ -135,6 +191,8 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         self.batch_size, self.rank, self.world_size, self.num_workers = batch_size, rank, world_size, num_workers
         self.device_augmentation = bool(device_augmentation)
         self.plan(0)  # raises when a reader has less than a batch
+        if self.check_shards and not self._shards_checked:
+            self.check()
         return self
 
     @property
@@ -164,7 +222,7 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         epoch, batches = self._position
         return {"epoch": epoch, "batches": batches, "seed": self.seed, "world_size": self.world_size,
                 "num_workers": self.num_workers, "batch_size": self.batch_size, "num_shards": self.num_shards,
-                "shuffle_buffer": self.shuffle_buffer}
+                "shuffle_buffer": self.shuffle_buffer, "skipped": self.skipped_sample_ids()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (of :meth:`state_dict`); the layout must be the same.
@@ -179,6 +237,8 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
             raise StreamingError("Cannot resume the stream exactly with a different layout (" + "; ".join(differ)
                                  + "): resume with the same settings")
         self._position = (int(state["epoch"]), int(state["batches"]))
+        if self._bad is not None and state.get("skipped"):
+            self._bad[torch.tensor(state["skipped"], dtype=torch.long)] = True
 
     def loader(self, pin_memory: bool = False, prefetch_factor: int | None = None,
                multiprocessing_context=None) -> StreamLoader:
@@ -187,7 +247,8 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
 
     # --- reading, in the workers ---
     def _raw_samples(self, shards: list[int], start: int):
-        """Raw samples of the concatenation of ``shards`` from index ``start`` (tar reads only)."""
+        """Raw samples ``(value, key, position in the corpus)`` of the concatenation of ``shards`` from
+        index ``start`` (tar reads only)."""
         for index in shards:
             n = self.shard_sizes[index]
             if start >= n:
@@ -195,10 +256,20 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
                 continue
             part = self._shard(index)
             part = part.skip(start) if start else part
-            start = 0
-            for chunk in part.iter(batch_size=_READ_CHUNK):
-                keys = chunk.get("__key__") or [None] * len(chunk[self.image_column])
-                yield from zip(chunk[self.image_column], keys, strict=True)
+            offset, start = start, 0
+            try:
+                for chunk in part.iter(batch_size=_READ_CHUNK):
+                    keys = chunk.get("__key__") or [None] * len(chunk[self.image_column])
+                    for value, key in zip(chunk[self.image_column], keys, strict=True):
+                        yield value, key, int(self._offsets[index]) + offset
+                        offset += 1
+            except Exception as error:  # e.g. tarfile.ReadError on a truncated tar
+                offset = self._readable_count(index, offset)  # the chunk failed: find the sample
+                raise ShardError(f"Shard {self.shard_name(index)} cannot be read at sample {offset} of {n} "
+                                 f"({type(error).__name__}: {error}): it is truncated or damaged. {_SHARD_FIX}") from error
+            if offset < n:
+                raise ShardError(f"Shard {self.shard_name(index)} ended after {offset} samples, shard_sizes / "
+                                 f"sizes.json lists {n}: it is truncated or sizes.json is stale. {_SHARD_FIX}")
 
     def _slot_samples(self, epoch: int, slot: int, shards: list[int], start: int, stop: int):
         """Samples ``start..stop-1`` of the slot's shuffled stream; reading begins at ``start``'s block."""
@@ -217,19 +288,56 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
                 index += 1
             block += 1
 
-    def _decode(self, samples: list) -> torch.Tensor:
+    def _readable_count(self, index: int, start: int) -> int:
+        """Samples of shard ``index`` readable one by one from ``start`` on (on the error path only)."""
+        count = start
+        try:
+            for _ in self._shard(index).skip(start) if start else self._shard(index):
+                count += 1
+        except Exception:  # the failure being located
+            pass
+        return count
+
+    def _decode(self, samples: list) -> tuple[torch.Tensor, list]:
+        """``(B, 3, R, R)`` uint8 images of ``samples`` and their keys; an undecodable one replaced by
+        the next decodable sample of the batch (cyclically) while within ``skip_bad_samples``."""
         arrays = []
-        for value, key in samples:
-            data = value.get("bytes")
-            if data is None:
-                with open(value["path"], "rb") as f:
-                    data = f.read()
+        for value, key, position in samples:
             try:
+                data = value.get("bytes")
+                if data is None:
+                    with open(value["path"], "rb") as f:
+                        data = f.read()
                 arrays.append(decode_resized(data, self.source_size))
             except Exception as error:
-                raise ValueError(f"Sample {key!r} of column {self.image_column!r} cannot be decoded: {error}") from error
-        self.decoded += len(arrays)
-        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # (B, 3, R, R) uint8
+                self._unreadable(key, position, error)
+                arrays.append(None)
+        keys = [key for _, key, _ in samples]
+        good = [i for i, a in enumerate(arrays) if a is not None]
+        if not good:
+            raise UnreadableImageError(f"No decodable image in a batch of {len(samples)} samples (keys {keys[:5]}...)")
+        for i, a in enumerate(arrays):
+            if a is None:  # the next decodable sample of the batch, cyclically
+                j = next((g for g in good if g > i), good[0])
+                arrays[i], keys[i] = arrays[j], keys[j]
+        self.decoded += len(good)
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous(), keys  # (B, 3, R, R) uint8
+
+    def _unreadable(self, key, position: int, error: Exception) -> None:
+        """Count sample ``position`` as undecodable; raise when over the budget (or with no budget)."""
+        if self._bad is not None:
+            self._bad[position] = True
+            if self.skipped_samples <= self.skip_bad_samples:
+                return
+        shard = int(np.searchsorted(self._offsets, position, side="right")) - 1
+        raise UnreadableImageError(
+            f"Sample {key!r} (sample {position - int(self._offsets[shard])} of shard {self.shard_name(shard)}) of "
+            f"column {self.image_column!r} cannot be decoded: {type(error).__name__}: {error}. "
+            + (f"It is undecodable sample number {self.skipped_samples}, over skip_bad_samples="
+               f"{self.skip_bad_samples}. " if self._bad is not None else "")
+            + "Fix: write the shard again from good images, or let training replace such samples and count them: "
+            "two_view_dataset(..., skip_bad_samples=N) (pretrain.py: --skip_bad_samples N)."
+        ) from error
 
     def __iter__(self):
         """This worker's batches from ``_start`` on, epoch after epoch (the loader takes one epoch a pass)."""
@@ -255,7 +363,7 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         samples = self._slot_samples(epoch, slot, shards[slot], first * b, per_slot * b)
         for c in range(first, per_slot):
             batch_samples = [s for _, s in zip(range(b), samples, strict=False)]
-            images = self._decode(batch_samples)  # (B, 3, R, R) uint8
+            images, keys = self._decode(batch_samples)  # (B, 3, R, R) uint8
             generator = torch.Generator().manual_seed(views_seed(self.seed, epoch, [slot, c]))
             params = self.augmentation.view_params(len(images), self.source_size, self.source_size, generator)
             out = {"stream_epoch": torch.tensor(epoch), "stream_index": torch.tensor(c * workers + role)}
@@ -265,7 +373,7 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
                 v1, v2 = self.augmentation.views(images, params)
                 out.update(pixel_values=v1, pixel_values_2=v2)
             if self.return_keys:
-                out["__key__"] = [k for _, k in batch_samples]
+                out["__key__"] = keys  # a replaced sample carries its replacement's key
             yield out
 
 
@@ -329,6 +437,24 @@ class StreamLoader:
         iterator, self._iterator, self._next = self._iterator, None, None
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+
+
+_SHARD_FIX = ("Fix: write it again (hf_contrast.write_shards / training/write_shards.py) or remove it from "
+              "data_files and sizes.json; hf_contrast.preflight.check_shards(files, sizes) checks every shard "
+              "before training.")
+
+
+def _shard_files(dataset: datasets.IterableDataset) -> list[str] | None:
+    """The files of the stream's shards, in shard order, when its reader lists them (webdataset:
+    ``tar_paths``), else None."""
+    iterable = getattr(dataset, "_ex_iterable", None)
+    while iterable is not None:
+        for name in ("tar_paths", "files"):
+            files = (getattr(iterable, "kwargs", None) or {}).get(name)
+            if isinstance(files, list) and len(files) == dataset.num_shards and all(isinstance(f, str) for f in files):
+                return list(files)
+        iterable = getattr(iterable, "ex_iterable", None)
+    return None
 
 
 def streaming_two_view_dataset(dataset: datasets.IterableDataset, augmentation: TwoViewAugmentation,

@@ -312,6 +312,30 @@ class ContrastiveTrainer(Trainer):
                         f"{sorted(missing)} (it has {sorted(item)}). Wrap an image dataset with "
                         "hf_contrast.two_view_dataset(dataset, TwoViewAugmentation(...))."
                     )
+        if not streamed:
+            self._check_steps()
+
+    def _check_steps(self) -> None:
+        """Refuse a map-style run that would take 0 optimizer steps (transformers would train nothing and
+        report success): fewer samples than one global batch with ``dataloader_drop_last``, or 0 epochs."""
+        a, data = self.args, self.train_dataset
+        if data is None or isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__len__"):
+            return
+        n, b, w, g = len(data), a.per_device_train_batch_size, a.world_size, a.gradient_accumulation_steps
+        batches = n // (b * w) if a.dataloader_drop_last else math.ceil(n / (b * w))  # per process and epoch
+        steps = a.max_steps if a.max_steps >= 0 else math.ceil(a.num_train_epochs * math.ceil(batches / g))
+        if batches >= 1 and steps >= 1:
+            return
+        setup = (f"train_dataset has {n} samples; per_device_train_batch_size={b} x world size {w} = {b * w} images "
+                 f"per batch with dataloader_drop_last={a.dataloader_drop_last} gives {batches} batches per epoch; "
+                 f"gradient_accumulation_steps={g}, num_train_epochs={a.num_train_epochs}, max_steps={a.max_steps}")
+        if batches < 1:
+            fix = (f"use a per-device batch of at most {max(n // w, 1)} (pretrain.py: --per_device_train_batch_size), "
+                   "fewer processes or more images (dataloader_drop_last=False would train on a short batch, with "
+                   "fewer negatives)")
+        else:
+            fix = "set num_train_epochs > 0 or max_steps > 0"
+        raise ValueError(f"This run would take 0 optimizer steps and train nothing: {setup}. Fix: {fix}.")
 
     # --- streamed data: the library owns the split, the position and the device augmentation ---
     def _configure_stream(self) -> StreamingTwoViewDataset:

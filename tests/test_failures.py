@@ -124,6 +124,25 @@ def test_setups_without_negatives_are_refused(tmp_path, build, match):
                            train_dataset=tensor_dataset())
 
 
+@pytest.mark.parametrize(
+    "n,kw,match",
+    [(10, dict(per_device_train_batch_size=32), r"0 optimizer steps.*10 samples; per_device_train_batch_size=32 x "
+      r"world size 1 = 32 images per batch with dataloader_drop_last=True gives 0 batches.*"
+      r"gradient_accumulation_steps=1.*at most 10"),
+     (10, dict(per_device_train_batch_size=32, max_steps=-1, gradient_accumulation_steps=4), r"0 batches.*accumulation"
+      r"_steps=4"),
+     (32, dict(max_steps=-1, num_train_epochs=0), r"0 optimizer steps.*4 batches per epoch.*num_train_epochs > 0")],
+)
+def test_a_run_of_zero_optimizer_steps_is_refused_at_construction(tmp_path, n, kw, match):
+    """Issue 24 item 2: 10 images at batch 32 trained 0 steps and exited as a success."""
+    model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=64, **TINY))
+    with pytest.raises(ValueError, match=match):
+        ContrastiveTrainer(model=model, args=args(tmp_path, **kw), train_dataset=tensor_dataset(n))
+    short = ContrastiveTrainer(model=model, args=args(tmp_path, per_device_train_batch_size=32,
+                                                      dataloader_drop_last=False), train_dataset=tensor_dataset(10))
+    assert len(short.get_train_dataloader()) == 1  # without drop_last the short batch is a step: accepted
+
+
 def test_dataset_errors_name_what_is_wrong(tmp_path):
     model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=16, **TINY))
     plain = datasets.Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
