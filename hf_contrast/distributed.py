@@ -128,3 +128,12 @@ def non_finite_ranks(value: torch.Tensor) -> list[int]:
     same step instead of the healthy ones hanging in the next collective.
     """
     return [r for r, f in enumerate(non_finite_flags(value).tolist()) if f > 0]
+
+
+def gather_objects(obj) -> list:
+    """``obj`` of every process, in rank order (pickled through the process group; logging steps only)."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out

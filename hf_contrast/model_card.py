@@ -110,6 +110,8 @@ class EncoderCardData:
         images_per_second, data_wait_fraction: training throughput of all processes together, and the
             share of time spent waiting for data (default: the mean of the logged windows after the
             first, see :func:`hf_contrast.throughput.summarize_throughput`).
+        skipped_samples: unreadable training images replaced by the next readable one (``skip_bad_samples``;
+            default: the last ``skipped_samples`` in ``log_history``).
         knn_top1: kNN top-1 of the exported encoder (default: the last ``knn_top1`` in ``log_history``).
         knn_details: how the kNN result was measured (k, temperature, splits).
         knn_baselines: other kNN results to show next to it, e.g. ``{"random init": 0.7}``.
@@ -149,6 +151,7 @@ class EncoderCardData:
     steps: int | None = None
     epochs: float | None = None
     images_per_second: float | None = None
+    skipped_samples: int | None = None
     data_wait_fraction: float | None = None
     knn_top1: float | None = None
     knn_details: str | None = None
@@ -166,6 +169,9 @@ class EncoderCardData:
         if self.measured_negatives is None:
             self.measured_negatives = next(
                 (h["num_negatives"] for h in reversed(self.log_history) if "num_negatives" in h), None)
+        if self.skipped_samples is None:
+            self.skipped_samples = next(
+                (h["skipped_samples"] for h in reversed(self.log_history) if "skipped_samples" in h), None)
         throughput = summarize_throughput(self.log_history)
         if self.images_per_second is None:
             self.images_per_second = throughput.get("images_per_second")

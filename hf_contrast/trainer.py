@@ -678,6 +678,9 @@ class ContrastiveTrainer(Trainer):
         if "loss" in logs:
             self._check_loss_guard()
             logs.update(self.throughput.read_and_reset(self.args.device))
+            if getattr(self.train_dataset, "skip_bad_samples", 0):  # unreadable images replaced so far, all ranks
+                ids = distributed.gather_objects(self.train_dataset.skipped_sample_ids())
+                logs["skipped_samples"] = len(set().union(*ids))
         if "loss" in logs and self.contrastive_metrics.count:  # a training log, not eval
             metrics = self.contrastive_metrics.compute_and_reset()
             logs.update(metrics)

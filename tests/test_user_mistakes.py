@@ -154,6 +154,30 @@ def test_a_run_of_zero_steps_is_refused_before_anything(pretrain, tmp_path, digi
     assert "Downloading data" not in capfd.readouterr().err  # 9: a local folder is not downloaded
 
 
+def test_a_corrupt_image_stops_before_training_or_is_skipped_and_counted(pretrain, tmp_path, digits):
+    """Item 3: one JPEG cut in half in an image folder. Without --skip_bad_samples the run stops before any
+    step naming the file; with it, the run trains, logs the count and states it in the model card."""
+    folder = tmp_path / "images"
+    for i, item in enumerate(digits["train"].select(range(48))):
+        (folder / str(i % 2)).mkdir(parents=True, exist_ok=True)
+        item["image"].convert("RGB").save(folder / str(i % 2) / f"{i}.jpg")
+    bad = folder / "0" / "10.jpg"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    # 45 training images (the seeded split puts 10.jpg among them), 3 held out; 3 steps of 15 meet every image
+    run = BASE + ["--train_dir", str(folder), "--max_train_samples", "100", "--per_device_train_batch_size", "15",
+                  "--max_steps", "3", "--save_steps", "3", "--test_split_size", "0.05", "--knn_k", "2"]
+    out = tmp_path / "refused"
+    with pytest.raises(ValueError, match="10.jpg") as error:
+        pretrain.main(run + ["--output_dir", str(out)])
+    assert "--skip_bad_samples" in str(error.value) and not out.exists()  # nothing written, the fix named
+    out = tmp_path / "skipped"
+    pretrain.main(run + ["--output_dir", str(out), "--skip_bad_samples", "1"])
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert [h["skipped_samples"] for h in state["log_history"] if "loss" in h][-1] == 1
+    card = (out / "encoder" / "README.md").read_text()
+    assert "| unreadable images skipped | 1 (each replaced by the next readable image) |" in card
+
+
 def test_a_run_shorter_than_one_logging_window_is_refused(pretrain, tmp_path):
     with pytest.raises(ValueError, match="fewer than one logging window") as error:
         pretrain.main(BASE + ["--max_steps", "2", "--logging_steps", "10", "--output_dir", str(tmp_path / "o")])

@@ -88,6 +88,7 @@ from hf_contrast.evaluation import recalibrate_batch_norm
 from hf_contrast.hub import check_can_push
 from hf_contrast.model_card import default_template_text
 from hf_contrast.optim import LARS
+from hf_contrast.preflight import check_images
 from hf_contrast.shards import read_shard_sizes, resolve_shards
 from hf_contrast.streaming import StreamingTwoViewDataset
 from hf_contrast.throughput import summarize_throughput
@@ -159,6 +160,9 @@ class DataArguments:
     horizontal_flip: bool = field(default=False, metadata={"help": "Random flips (off: digits are not symmetric)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training split."})
     knn_k: int = field(default=200, metadata={"help": "Neighbours of the kNN monitor."})
+    skip_bad_samples: int = field(default=0, metadata={
+        "help": "Up to N unreadable images are replaced by the next readable one and counted (logs, model card) "
+                "instead of stopping the run; 0: the first one stops it, named, before any step where possible."})
     knn_every_n_steps: int = field(
         default=100, metadata={"help": "Log knn_top1 on the held-out split every N steps (0: only at the end)."})
 
@@ -194,6 +198,25 @@ TRAINING_DEFAULTS = dict(
     disable_tqdm=False,
     device_augmentation=None,  # auto: on when training on CUDA (the views made batched on the GPU); the flag overrides
 )
+
+
+def preflight_images(train: datasets.Dataset, test: datasets.Dataset | None, data: DataArguments):
+    """Check every training and held-out image before any step (headers and file ends, no decode; see
+    :func:`hf_contrast.preflight.check_images`): more than ``--skip_bad_samples`` unreadable ones stop the
+    run here, naming them. Returns the held-out split without its unreadable images and the indices of the
+    unreadable training images: both are left out of the kNN report (evaluation does not replace images)."""
+    report = check_images(train, data.image_column, max_bad=data.skip_bad_samples)
+    logger.info(f"Pre-flight, training images: {report}")
+    unreadable = {b.index for b in report.bad}
+    if test is None:
+        return None, unreadable
+    held_out = check_images(test, data.image_column, max_bad=data.skip_bad_samples)
+    if held_out.bad:
+        bad = {b.index for b in held_out.bad}
+        logger.warning(f"Pre-flight: {len(bad)} unreadable held-out images left out of the kNN report: "
+                       + ", ".join(str(b.path or b.index) for b in held_out.bad[:10]))
+        test = test.select([i for i in range(len(test)) if i not in bad])
+    return test, unreadable
 
 
 def load_splits(data: DataArguments) -> tuple[datasets.Dataset, datasets.Dataset | None, str]:
@@ -347,8 +370,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     if data_args.streaming:
         stream, sizes, train, test, name = load_stream(data_args)
+        unreadable = set()
     else:
         train, test, name = load_splits(data_args)
+        test, unreadable = preflight_images(train, test, data_args)  # unreadable files named before any step
     digits = data_args.dataset_name is None and data_args.train_dir is None
     mean, std = (DIGITS_MEAN, DIGITS_STD) if digits else (IMAGENET_MEAN, IMAGENET_STD)
     aug_cls = TwoViewAugmentation.small_images if data_args.image_size <= 64 else TwoViewAugmentation
@@ -359,9 +384,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model = build_model(model_args, data_args.image_size)
     if data_args.streaming:
         train_dataset = StreamingTwoViewDataset(stream, augmentation, data_args.image_column, seed=training_args.seed,
-                                                shuffle_buffer=data_args.shuffle_buffer, shard_sizes=sizes)
+                                                shuffle_buffer=data_args.shuffle_buffer, shard_sizes=sizes,
+                                                skip_bad_samples=data_args.skip_bad_samples)
     else:
-        train_dataset = two_view_dataset(train, augmentation, data_args.image_column, seed=training_args.seed)
+        train_dataset = two_view_dataset(train, augmentation, data_args.image_column, seed=training_args.seed,
+                                         skip_bad_samples=data_args.skip_bad_samples)
     optimizer, recipe = (None, None)
     if model_args.method == "mocov3":
         optimizer, recipe = apply_mocov3_defaults(model_args, training_args, argv)
@@ -386,7 +413,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     labelled = test is not None and train is not None and data_args.label_column in train.column_names
     if labelled:
-        tr = eval_dataset(train, augmentation, data_args.image_column, data_args.label_column)
+        readable = train.select([i for i in range(len(train)) if i not in unreadable]) if unreadable else train
+        tr = eval_dataset(readable, augmentation, data_args.image_column, data_args.label_column)
         te = eval_dataset(test, augmentation, data_args.image_column, data_args.label_column)
         if data_args.knn_every_n_steps > 0:  # knn_top1 in the logs and in the model card's curves
             KNNMonitor(tr, te, every_n_steps=data_args.knn_every_n_steps, k=data_args.knn_k).attach(trainer)
