@@ -137,3 +137,11 @@ def gather_objects(obj) -> list:
     out = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def shutdown() -> None:
+    """Destroy the default process group, if any: a script under ``torchrun`` should end with it. Left to
+    the interpreter's exit, gloo's threads can still run while its objects are torn down, and the process
+    then aborts ("terminate called without an active exception", seen on loaded machines)."""
+    if is_distributed():
+        dist.destroy_process_group()

@@ -323,7 +323,7 @@ class ContrastiveTrainer(Trainer):
             return
         n, b, w, g = len(data), a.per_device_train_batch_size, a.world_size, a.gradient_accumulation_steps
         batches = n // (b * w) if a.dataloader_drop_last else math.ceil(n / (b * w))  # per process and epoch
-        steps = a.max_steps if a.max_steps >= 0 else math.ceil(a.num_train_epochs * math.ceil(batches / g))
+        steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * math.ceil(batches / g))  # as Trainer
         if batches >= 1 and steps >= 1:
             return
         setup = (f"train_dataset has {n} samples; per_device_train_batch_size={b} x world size {w} = {b * w} images "

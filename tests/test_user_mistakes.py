@@ -241,6 +241,22 @@ def test_a_streamed_run_logs_the_epoch_it_reached(pretrain, digits, tmp_path):
     assert epochs == pytest.approx([1 / 12, 2 / 12, 3 / 12], abs=1e-4)  # 32 of 384 images a step; old code: 1/3, 2/3, 1
 
 
+def test_a_truncated_shard_is_named_before_training(pretrain, digits, tmp_path):
+    """Item 4: a tar shard cut short used to stop the run at step 0 inside a DataLoader worker with
+    tarfile's bare "unexpected end of data"."""
+    from hf_contrast import write_shards
+
+    write_shards(digits["train"].select(range(192)), str(tmp_path / "shards"), images_per_shard=48)
+    bad = sorted((tmp_path / "shards").glob("*.tar"))[2]
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=bad.name) as error:
+        pretrain.main(BASE + ["--dataset_name", "webdataset", "--data_files", str(tmp_path / "shards" / "*.tar"),
+                              "--streaming", "True", "--knn_samples", "20", "--per_device_train_batch_size", "16",
+                              "--max_steps", "3", "--output_dir", str(out)])
+    assert type(error.value).__name__ == "ShardError" and not (out / "checkpoint-1").exists()
+
+
 # --- 9. noise ------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU case")

@@ -507,3 +507,4 @@ def print_report(results: dict[str, float], final_dir: str, model) -> None:
 
 if __name__ == "__main__":
     main()
+    hf_contrast.distributed.shutdown()  # under torchrun: a clean exit of every process

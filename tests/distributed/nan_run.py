@@ -50,8 +50,7 @@ def main(out_dir: str) -> None:
         error = str(e)
     with open(os.path.join(out_dir, f"nan_rank{distributed.rank()}.json"), "w") as f:
         json.dump({"error": error, "step": trainer.state.global_step}, f)
-    if torch.distributed.is_initialized():  # as the other torchrun scripts: gloo can abort at exit otherwise
-        torch.distributed.destroy_process_group()
+    distributed.shutdown()  # as the other torchrun scripts: gloo can abort at exit otherwise
 
 
 if __name__ == "__main__":

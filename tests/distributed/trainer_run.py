@@ -61,3 +61,4 @@ def run(method: str, out_dir: str) -> ContrastiveTrainer:
 if __name__ == "__main__":
     for method in ("moco", "simclr"):
         run(method, sys.argv[1])
+    distributed.shutdown()

@@ -20,6 +20,7 @@ from hf_contrast import (
     MoCoConfig,
     MoCoModel,
     TwoViewAugmentation,
+    distributed,
     load_default_dataset,
     two_view_dataset,
 )
@@ -83,3 +84,4 @@ if __name__ == "__main__":
     a = p.parse_args()
     torch.set_num_threads(1)
     main(a.out_dir, a.workers)
+    distributed.shutdown()

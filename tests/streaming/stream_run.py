@@ -24,6 +24,7 @@ from hf_contrast import (
     MoCoConfig,
     MoCoModel,
     TwoViewAugmentation,
+    distributed,
 )
 from hf_contrast.shards import read_shard_sizes
 from hf_contrast.streaming import StreamingTwoViewDataset
@@ -104,3 +105,4 @@ if __name__ == "__main__":
     a = p.parse_args()
     torch.set_num_threads(1)
     main(a.out_dir, a.shard_dir, a.workers, a.max_steps, a.stop, a.device_augmentation)
+    distributed.shutdown()
