@@ -16,6 +16,7 @@ from hf_contrast import (
     MoCoV3Model,
     QueueConsistencyMonitor,
     RepresentationMonitor,
+    knn_accuracy,
     momentum_at,
     negatives_per_anchor,
 )
@@ -146,7 +147,9 @@ def test_queue_monitor_refuses_knn_and_representation_monitors_work(tmp_path):
     knn = KNNMonitor(labelled, labelled, every_n_steps=2, k=5).attach(trainer)
     rep = RepresentationMonitor(labelled, every_n_steps=2, num_samples=16).attach(trainer)
     trainer.train()
-    assert knn.history and 0.0 <= knn.history[-1]["knn_top1"] <= 1.0
+    assert knn.history and knn.history[-1]["step"] == 2  # the monitor's figure is the encoder's, recomputed here
+    assert knn.history[-1]["knn_top1"] == pytest.approx(knn_accuracy(model.encoder.eval(), labelled, labelled, k=5),
+                                                        abs=1e-4)
     assert rep.history and rep.history[-1]["heldout_embedding_std"] > 0
     assert any("knn_top1" in h for h in trainer.state.log_history)
 
@@ -192,7 +195,6 @@ def test_cancellation_trains_and_logs_the_count_after_cancellation(tmp_path):
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(h["num_negatives"] == 8 - 1 - 3 for h in logs)
-    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
 
 
 def test_queue_is_enqueued_once_per_step_with_both_views_and_counted(tmp_path):
