@@ -42,6 +42,9 @@ def test_every_section_ran_or_was_skipped_with_a_reason(report):
         assert f"## {name}: {sec['status']}" in md
     assert data["sections"]["correctness"]["status"] == "ok"
     assert data["sections"]["throughput"]["status"] == "ok"
+    compiled = data["sections"]["compile"].get("results", {})  # a section can be "ok" with a method that failed
+    failed = {name: r["reason"] for name, r in compiled.items() if r["status"] == "failed"}
+    assert not failed, failed  # MoCo's split-BN broke inductor before issue 21
 
 
 def test_e2e_section_reports_the_users_path_against_the_raw_step(report):
