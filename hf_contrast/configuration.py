@@ -253,6 +253,16 @@ class MoCoV3Config(ContrastiveConfig):
             the queue of before the step. Memory ``K * projection_dim * 4`` bytes.
         exclude_same_instance: with a queue, mask in each query's logits the queued keys of its own
             image (as :class:`MoCoConfig`; items carry ``instance_id``). No effect without a queue.
+        sync_batch_norm: BatchNorm statistics synchronised across processes in the encoders, projectors
+            and predictor (query and momentum side), as the official ``main_moco.py``, which converts
+            the whole model with ``SyncBatchNorm.convert_sync_batchnorm`` when distributed. ``None``
+            (default): decided when the model is built: on when more than one process runs (an
+            initialised process group of world size > 1, or ``WORLD_SIZE`` > 1 as torchrun sets it)
+            on a CUDA/XPU/HPU machine; off on one process, and on CPU-only runs (gloo), where
+            SyncBatchNorm cannot run; ``True``/``False`` force it. Same mechanism as :class:`SimCLRConfig` (timm's
+            ``convert_sync_batchnorm``): parameter and buffer names, checkpoints and the momentum
+            pairs are unchanged. Torch's SyncBatchNorm needs GPU (or XPU/HPU) tensors when several
+            processes run.
     """
 
     model_type = "hf_contrast_mocov3"
@@ -273,11 +283,14 @@ class MoCoV3Config(ContrastiveConfig):
     freeze_patch_embed: bool = False
     queue_size: int = 0
     exclude_same_instance: bool = True
+    sync_batch_norm: bool | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         _check(lambda: self.queue_size >= 0, "queue_size", self.queue_size,
                "an integer >= 0 (0: no queue, the official MoCo v3; K > 0: K queued keys added to the in-batch ones)")
+        _check(self.sync_batch_norm is None or isinstance(self.sync_batch_norm, bool), "sync_batch_norm",
+               self.sync_batch_norm, "None (on with more than one process, as the official code), True or False")
         _check(lambda: self.predictor_hidden_dim >= 1, "predictor_hidden_dim", self.predictor_hidden_dim,
                "an integer >= 1")
         _check(lambda: self.predictor_layers >= 1, "predictor_layers", self.predictor_layers, "an integer >= 1")

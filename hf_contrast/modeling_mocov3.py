@@ -4,9 +4,11 @@ optionally (``queue_size > 0``) a FIFO queue of earlier keys as extra negatives.
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch.nn.functional as F
+from timm.layers import convert_sync_batchnorm
 from torch import nn
 
 from . import distributed
@@ -17,6 +19,20 @@ from .losses import contrastive_loss, mocov3_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .momentum import model_ema_update_
 from .queue import NegativeQueue
+
+SYNC_BATCH_NORM_DEVICES = ("cuda", "xpu", "hpu")  # where torch's SyncBatchNorm runs across processes
+
+
+def resolve_sync_batch_norm(setting: bool | None) -> bool:
+    """``MoCoV3Config.sync_batch_norm``: True/False as given; None: on when more than one process runs
+    (an initialised process group of world size > 1, or torchrun's ``WORLD_SIZE`` > 1 before it is)
+    on an accelerator SyncBatchNorm supports (CUDA, XPU, HPU), as the official ``main_moco.py``;
+    off on one process and on CPU-only process groups (gloo), where SyncBatchNorm cannot run."""
+    if setting is not None:
+        return setting
+    processes = max(distributed.world_size(), int(os.environ.get("WORLD_SIZE", "1")))
+    accelerator = torch.accelerator.current_accelerator()
+    return processes > 1 and accelerator is not None and accelerator.type in SYNC_BATCH_NORM_DEVICES
 
 
 class MoCoV3Model(ContrastivePreTrainedModel):
@@ -36,6 +52,8 @@ class MoCoV3Model(ContrastivePreTrainedModel):
 
     Attributes:
         encoder, projector, predictor: the query side (trained).
+        sync_batch_norm: whether the BatchNorm layers of both sides were converted to SyncBatchNorm
+            (``config.sync_batch_norm`` resolved by :func:`resolve_sync_batch_norm`).
         momentum_encoder, momentum_projector: deep copies of encoder and projector,
             ``requires_grad=False``, moved only by :meth:`momentum_update` (the predictor has no
             momentum copy). They run in the same train/eval mode as the query side and keep their own
@@ -60,6 +78,10 @@ class MoCoV3Model(ContrastivePreTrainedModel):
             config.projection_dim, config.predictor_hidden_dim, config.projection_dim, config.predictor_layers,
             config.predictor_batch_norm, config.predictor_output_batch_norm, output_bias=False,
         )
+        self.sync_batch_norm = resolve_sync_batch_norm(config.sync_batch_norm)
+        if self.sync_batch_norm:  # before the momentum copies: both sides SyncBatchNorm, names unchanged
+            self.encoder, self.projector, self.predictor = (
+                convert_sync_batchnorm(m) for m in (self.encoder, self.projector, self.predictor))
         self.momentum_encoder = copy.deepcopy(self.encoder)
         self.momentum_projector = copy.deepcopy(self.projector)
         self._freeze()

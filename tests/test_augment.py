@@ -1,7 +1,6 @@
 """The batched augmentation kernels against torchvision's definitions: crop parameters and
 resampling, colour jitter, blur, grayscale and flip rates, and mixed image sizes."""
 
-import math
 
 import numpy as np
 import pytest
@@ -77,7 +76,6 @@ def test_color_jitter_equals_torchvision_adjustments_with_the_drawn_factors():
     out = augment.color_jitter(x, params)
     apply = params[:, augment.JITTER] > 0
     b, c, sat, hue = (params[:, i] for i in (augment.BRIGHTNESS, augment.CONTRAST, augment.SATURATION, augment.HUE))
-    yiq = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
     assert 0 < apply.sum() < n
     for i in range(n):
         if not apply[i]:
@@ -85,10 +83,66 @@ def test_color_jitter_equals_torchvision_adjustments_with_the_drawn_factors():
             assert (b[i], c[i], sat[i], hue[i]) == (1, 1, 1, 0)  # identity parameters where jitter does not apply
             continue
         y = TF.adjust_saturation(TF.adjust_contrast(TF.adjust_brightness(x[i], b[i].item()), c[i].item()), sat[i].item())
-        cos, sin = math.cos(hue[i]), math.sin(hue[i])
-        rot = torch.tensor([[1.0, 0, 0], [0, cos, -sin], [0, sin, cos]])
-        y = torch.einsum("ij,jhw->ihw", torch.linalg.inv(yiq) @ rot @ yiq, y).clamp(0, 1)
+        y = TF.adjust_hue(y, hue[i].item())  # torchvision's HSV shift itself, not a copy of ours
         torch.testing.assert_close(out[i], y, atol=1e-5, rtol=1e-5)
+
+
+def hue_test_images(n, generator):
+    """Random images with gray pixels (r = g = b, including black and white) and the six pure colours."""
+    x = torch.rand(n, 3, 12, 13, generator=generator)  # (n, 3, H, W)
+    x[:, :, :3] = x[:, :1, :3]  # gray rows
+    x[:, :, 3, :2] = torch.tensor([0.0, 1.0])  # black, white
+    pure = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 0], [0, 1, 1], [1, 0, 1]]).T  # (3, 6)
+    x[:, :, 4, :6] = pure
+    x[:, :, 5, :6] = pure * 0.5
+    return x
+
+
+def test_adjust_hue_equals_torchvision_per_image():
+    n = 16
+    g = torch.Generator().manual_seed(11)
+    x = hue_test_images(n, g)
+    factors = torch.cat([torch.tensor([-0.5, 0.5, 0.0, 0.1, -0.1, 0.25]), torch.rand(n - 6, generator=g) - 0.5])
+    out = augment.adjust_hue(x, factors)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    for i in range(n):
+        torch.testing.assert_close(out[i], TF.adjust_hue(x[i], factors[i].item()), atol=1e-5, rtol=0)
+    gray = (x[:, 0] == x[:, 1]) & (x[:, 1] == x[:, 2])  # (n, H, W): gray pixels stay gray and unchanged
+    torch.testing.assert_close(out.permute(0, 2, 3, 1)[gray], x.permute(0, 2, 3, 1)[gray], atol=1e-6, rtol=0)
+
+
+def test_adjust_hue_of_pure_red_and_the_identity():
+    red = torch.tensor([1.0, 0.0, 0.0]).view(1, 3, 1, 1)
+    shifted = augment.adjust_hue(red, torch.tensor([0.1])).flatten()
+    torch.testing.assert_close(shifted, TF.adjust_hue(red[0], 0.1).flatten(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(shifted, torch.tensor([1.0, 0.6, 0.0]), atol=1e-6, rtol=0)  # torchvision's value
+    x = hue_test_images(4, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(augment.adjust_hue(x, torch.zeros(4)), x, atol=1e-6, rtol=0)
+
+
+def test_adjust_hue_is_channels_last_safe_and_sync_free():
+    x = hue_test_images(3, torch.Generator().manual_seed(6))
+    factors = torch.tensor([0.3, -0.2, 0.0])
+    ref = augment.adjust_hue(x, factors)
+    torch.testing.assert_close(augment.adjust_hue(x.to(memory_format=torch.channels_last), factors), ref)
+    with torch.profiler.profile() as prof:
+        augment.adjust_hue(x, factors)
+    names = {e.name for e in prof.events()}
+    assert "aten::_local_scalar_dense" not in names and "aten::nonzero" not in names
+
+
+def test_color_jitter_with_only_hue_is_torchvision_adjust_hue_of_the_drawn_factor():
+    n = 10
+    x = hue_test_images(n, torch.Generator().manual_seed(8))
+    params = draw(n, torch.Generator().manual_seed(9), jitter_strength=2.0, jitter_p=0.7)  # hue in [-0.5, 0.5]
+    params[:, [augment.BRIGHTNESS, augment.CONTRAST, augment.SATURATION]] = 1.0  # only hue acts
+    apply = params[:, augment.JITTER] > 0
+    hue = params[:, augment.HUE]
+    assert 0 < apply.sum() < n and hue.abs().max() > 0.3
+    out = augment.color_jitter(x, params)
+    for i in range(n):
+        ref = TF.adjust_hue(x[i], hue[i].item()) if apply[i] else x[i]
+        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=0)
 
 
 def test_jitter_factor_ranges_and_rate_are_torchvision_colorjitter():
@@ -106,8 +160,6 @@ def test_jitter_factor_ranges_and_rate_are_torchvision_colorjitter():
     for column, (lo, hi) in zip((augment.BRIGHTNESS, augment.CONTRAST, augment.SATURATION, augment.HUE), ranges,
                                 strict=True):
         drawn = params[applied, column].numpy()
-        if column == augment.HUE:
-            drawn = drawn / (2 * math.pi)  # radians -> torchvision's fraction of a turn
         uniform = np.random.default_rng(column).uniform(lo, hi, 5000)
         assert lo <= drawn.min() and drawn.max() <= hi and ks_statistic(drawn, uniform) < 0.03
 

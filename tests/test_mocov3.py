@@ -360,3 +360,58 @@ def test_card_and_count_with_a_queue(tmp_path):
     assert "| negatives per anchor | 4223 |" in rendered
     plain = str(EncoderCardData.from_model(build(), per_device_batch_size=32).to_model_card(template_path=template))
     assert "| queue | none: in-batch keys of the momentum encoder |" in plain
+
+
+def batch_norms(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def test_sync_batch_norm_converts_both_sides_and_keeps_names_and_the_ema():
+    """``sync_batch_norm=True``: every BatchNorm of encoders, projectors and predictor is SyncBatchNorm
+    (query and momentum side), the checkpoint keys and the EMA pairs are those of the plain model,
+    and on one process (no process group: SyncBatchNorm falls back to BatchNorm) the loss is the same."""
+    plain, synced = build(sync_batch_norm=False), build(sync_batch_norm=True)
+    assert synced.sync_batch_norm and not plain.sync_batch_norm
+    for name in ("encoder", "projector", "predictor", "momentum_encoder", "momentum_projector"):
+        norms = batch_norms(getattr(synced, name))
+        assert norms and all(isinstance(m, nn.SyncBatchNorm) for m in norms), name
+        assert not any(isinstance(m, nn.SyncBatchNorm) for m in getattr(plain, name).modules())
+    assert plain.state_dict().keys() == synced.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), synced.state_dict().values(),
+                                                 strict=True))
+    names = lambda *ms: [n for m in ms for n, _ in m.named_parameters()]  # noqa: E731
+    assert names(synced.encoder, synced.projector) == names(synced.momentum_encoder, synced.momentum_projector)
+    assert all(not p.requires_grad for p in synced.key_parameters())
+    with torch.no_grad():
+        for p in synced.query_parameters():
+            p.add_(torch.randn_like(p))
+    old_k = [p.detach().clone() for p in synced.key_parameters()]
+    q = [p.detach().clone() for p in synced.query_parameters()]
+    synced.momentum_update(0.9)
+    for new, k, qq in zip(synced.key_parameters(), old_k, q, strict=True):
+        torch.testing.assert_close(new.double(), k.double() * 0.9 + qq.double() * 0.1, rtol=2.5e-7, atol=1e-7)
+    plain, synced = build(sync_batch_norm=False), build(sync_batch_norm=True)
+    x1, x2 = views(6)
+    assert synced(x1, x2).loss.item() == pytest.approx(plain(x1, x2).loss.item(), rel=1e-6)
+
+
+def test_sync_batch_norm_none_is_on_only_with_more_than_one_process_on_an_accelerator(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    assert MoCoV3Config().sync_batch_norm is None  # the default: decided when the model is built
+    model = build()  # one process, no process group
+    assert not model.sync_batch_norm and not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for every process
+    model = build()
+    assert model.sync_batch_norm and all(isinstance(m, nn.SyncBatchNorm) for m in batch_norms(model))
+    assert model.config.sync_batch_norm is None  # the saved config stays portable
+    assert not build(sync_batch_norm=False).sync_batch_norm  # False forces it off
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
+    assert not build().sync_batch_norm  # CPU-only processes (gloo): SyncBatchNorm could not run
+    assert build(sync_batch_norm=True).sync_batch_norm  # True forces it on
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.5])
+def test_sync_batch_norm_validation(bad):
+    with pytest.raises(ValueError, match=r"sync_batch_norm.*None \(on with more than one process"):
+        MoCoV3Config(backbone="test_resnet", sync_batch_norm=bad)
