@@ -12,7 +12,7 @@ from . import distributed
 from .backbone import build_encoder_and_head
 from .configuration import MoCoConfig
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
-from .losses import contrastive_loss, info_nce_logits
+from .losses import _fp32_normalize, _no_autocast, contrastive_loss, info_nce_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .momentum import model_ema_update_
 from .queue import NegativeQueue, upgrade_legacy_queue_state
@@ -41,6 +41,18 @@ class MoCoModel(ContrastivePreTrainedModel):
     shapes never change while the queue fills (no recompiles under ``torch.compile``, no host read).
     The forward never mutates the queue: the trainer calls :meth:`enqueue` with ``outputs.queue_keys``
     after the loss.
+
+    No training step without negatives: while the queue is still EMPTY (the first step of a run, or
+    after enqueues that were all rejected), each query's negatives are the other images' keys of the
+    same step (this process's ``B - 1``, the off-diagonal of ``q @ k.T``), as SimCLR's in-batch
+    negatives, instead of nothing (a loss of exactly 0 and a zero gradient). As soon as the queue
+    holds any key they stop: every accepted step enqueues at least ``B`` keys, so "any" and "at
+    least B" coincide except for a queue smaller than the batch, where "any" keeps the queue's
+    semantics. The ``(B, B)`` in-batch block is written into the first ``B`` queue columns with a
+    ``torch.where`` on the device-side fill count (those columns are all ``-inf`` while the queue is
+    empty), so the logits keep their shape ``(B, 1 + K)`` (``(B, 1 + B)`` for ``K < B``): no host
+    read, one graph under ``torch.compile``. ``num_negatives`` counts them. Only in training: in eval
+    mode the contrast is against the queue as it is (no negatives before training).
     """
 
     config_class = MoCoConfig
@@ -175,14 +187,15 @@ class MoCoModel(ContrastivePreTrainedModel):
         if pixel_values_2 is None:
             raise ValueError("MoCoModel.forward needs two views: pass pixel_values and pixel_values_2")
         queue = (self.queue.keys, self.queue.instance_ids, self.queue.valid())  # (K, D), (K,), (K,) the whole buffer
+        stand_in = (self.queue.filled == 0) if self.training else None  # 0-d bool: in-batch negatives on
         q1 = self._query(pixel_values)  # (B, D)
         k2 = self.encode_keys(pixel_values_2)  # (B, D)
-        halves = [self._contrast(q1, k2, *queue, instance_ids)]
+        halves = [self._contrast(q1, k2, *queue, instance_ids, stand_in)]
         embeddings, keys, ids = q1, k2, instance_ids
         if self.config.symmetric_loss:
             q2 = self._query(pixel_values_2)
             k1 = self.encode_keys(pixel_values)
-            halves.append(self._contrast(q2, k1, *queue, instance_ids))
+            halves.append(self._contrast(q2, k1, *queue, instance_ids, stand_in))
             embeddings, keys = torch.cat([q1, q2]), torch.cat([k2, k1])  # (2B, D)
             ids = None if instance_ids is None else torch.cat([instance_ids, instance_ids])
         logits, labels, positive_mask, counts, kept, removed = (
@@ -196,25 +209,58 @@ class MoCoModel(ContrastivePreTrainedModel):
             queue_instance_ids=ids, false_negatives_removed=removed,
         )
 
-    def _contrast(self, q, k, negatives, negative_ids, valid, instance_ids):
+    def _logits(self, q, k, negatives, valid, stand_in):
+        """Logits ``(B, 1 + K)`` and labels of :func:`~hf_contrast.losses.info_nce_logits`; with
+        ``stand_in`` (a 0-d bool, training) the in-batch block ``q @ k.T / T`` replaces columns
+        ``1 .. B`` where ``stand_in`` is True and off the diagonal (the queue is then empty: those
+        columns are -inf), padded with -inf columns to ``1 + B`` when ``K < B``. Returns
+        ``(logits, labels, in_batch_masked (B, B) or None)``."""
+        t = self.config.temperature
+        logits, labels = info_nce_logits(q, k, negatives, t, valid)  # (B, 1 + K), (B,)
+        if stand_in is None:
+            return logits, labels, None
+        n = q.shape[0]
+        if negatives.shape[0] < n:  # a queue smaller than the batch: room for the in-batch block
+            logits = F.pad(logits, (0, n - negatives.shape[0]), value=float("-inf"))  # (B, 1 + B)
+        with _no_autocast(q):
+            in_batch = _fp32_normalize(q) @ _fp32_normalize(k).T / t  # (B, B)
+        masked = torch.eye(n, dtype=torch.bool, device=q.device) | ~stand_in  # (B, B) the positive; all once queued
+        logits[:, 1 : 1 + n] = torch.where(masked, logits[:, 1 : 1 + n], in_batch)  # (B, B) block of the logits
+        return logits, labels, masked
+
+    def _contrast(self, q, k, negatives, negative_ids, valid, instance_ids, stand_in=None):
         """Logits of one query/key pairing against the whole queue buffer ``negatives (K, D)``, its ids
-        ``(K,)`` and validity ``valid (K,)``, with the masks of the config.
+        ``(K,)`` and validity ``valid (K,)``, with the masks of the config; with ``stand_in`` (0-d bool,
+        training) the other images' keys of the step in the first ``B`` negative columns while it is
+        True (see the class docstring and :meth:`_logits`).
 
         Returns ``(logits (B, 1 + K), labels (B,), positive_mask, negatives (B,), kept (B,), removed (B,))``
-        (see :func:`~hf_contrast.false_negatives.cancel_negatives`); unused queue slots are ``-inf`` and
-        not counted. ``positive_mask`` and ``removed`` are None without false-negative cancellation."""
-        logits, labels = info_nce_logits(q, k, negatives, self.config.temperature, valid)  # (B, 1 + K), (B,)
+        (see :func:`~hf_contrast.false_negatives.cancel_negatives`); unused queue slots and masked
+        in-batch keys are ``-inf`` and not counted. ``positive_mask`` and ``removed`` are None without
+        false-negative cancellation."""
+        logits, labels, in_batch_masked = self._logits(q, k, negatives, valid, stand_in)
+        n, width = q.shape[0], logits.shape[1] - 1  # width: max(K, B) in training with K < B, else K
         exclude = self.config.exclude_same_instance and instance_ids is not None
         if not exclude and self.config.false_negatives is None:  # only the unused slots are masked
-            counts = valid.sum().expand(q.shape[0])  # (B,) a view of the 0-d count
+            counts = valid.sum()  # 0-d
+            if stand_in is not None:
+                counts = counts + stand_in * (n - 1)  # the other images' keys while the queue is empty
+            counts = counts.expand(n)  # (B,) a view of the 0-d count
             return logits, labels, None, counts, counts, None
         invalid = ~valid  # (K,)
         if exclude:  # (B, K) the unused slots and the queued keys of the query's own image
-            invalid = invalid | same_instance_mask(instance_ids.to(negative_ids.device), negative_ids)
-        excluded = F.pad(invalid.expand(q.shape[0], -1), (1, 0), value=True)  # (B, 1 + K): and the positive
+            ids = instance_ids.to(negative_ids.device)
+            invalid = invalid | same_instance_mask(ids, negative_ids)
+        excluded = F.pad(invalid.expand(n, -1), (1, width - invalid.shape[-1]), value=True)  # (B, 1 + width)
+        if in_batch_masked is not None:  # in-batch columns: the positive, and other crops of the query's image
+            own = in_batch_masked | same_instance_mask(ids, ids) if exclude else in_batch_masked  # (B, B)
+            excluded[:, 1 : 1 + n] = torch.where(stand_in, own, excluded[:, 1 : 1 + n])
         scores = None
         if self.config.false_negatives is not None:
-            scores = support_scores(torch.stack([q, k], dim=1), negatives)  # (B, K): support = the two views
-            scores = F.pad(scores, (1, 0), value=float("-inf"))  # (B, 1 + K), the positive is no candidate
+            support = torch.stack([q, k], dim=1)  # (B, 2, D): support = the two views
+            scores = support_scores(support, negatives)  # (B, K)
+            scores = F.pad(scores, (1, width - scores.shape[1]), value=float("-inf"))  # (B, 1 + width)
+            if in_batch_masked is not None:
+                scores[:, 1 : 1 + n] = torch.where(stand_in, support_scores(support, k), scores[:, 1 : 1 + n])
         logits, *masks = cancel_negatives(logits, labels, excluded, scores, self.config)
         return (logits, labels, *masks)

@@ -155,11 +155,12 @@ def test_trainer_passes_instance_ids_from_two_view_dataset(digits, tmp_path):
     assert isinstance(log["num_negatives"], float) and log["num_negatives"] <= 24
 
 
-def old_slice_terms(config, q, k, keys, ids, instance_ids, in_batch=None, rank=0):
+def old_slice_terms(config, q, k, keys, ids, instance_ids, in_batch=None, rank=0, own_row=False):
     """Yesterday's forward, written out: logits against the FILLED SLICE ``keys (K_filled, D)`` and its ids,
     then the masks (positive, same-instance, FNC) as ``_contrast`` applied them. MoCo v2 (``in_batch=None``:
     positive in column 0) or MoCo v3 (``in_batch``: the other view's keys ``(M, D)``, then the queue).
-    Returns ``(loss, per-row negatives or None)``."""
+    ``own_row``: ``keys`` are the step's own keys (MoCo v2's first step), row i of them is query i's
+    positive and no negative. Returns ``(loss, per-row negatives or None)``."""
     from hf_contrast.false_negatives import cancel_negatives, same_instance_mask, support_scores
     from hf_contrast.losses import contrastive_loss, info_nce_logits, mocov3_logits
 
@@ -171,12 +172,14 @@ def old_slice_terms(config, q, k, keys, ids, instance_ids, in_batch=None, rank=0
         logits, labels = mocov3_logits(q, in_batch, t, rank, keys)
         offset, candidates = in_batch.shape[0], torch.cat([in_batch, keys])
     exclude = config.exclude_same_instance and instance_ids is not None
-    if not exclude and config.false_negatives is None:
+    if not exclude and config.false_negatives is None and not own_row:
         return contrastive_loss(logits, labels, t, config.tau_plus), None
     excluded = torch.zeros_like(logits, dtype=torch.bool)
     excluded[torch.arange(len(labels)), labels] = True
     if exclude:
         excluded[:, offset:] = same_instance_mask(instance_ids, ids)
+    if own_row:
+        excluded[:, offset:] |= torch.eye(len(labels), dtype=torch.bool)
     scores = None
     if config.false_negatives is not None:
         scores = support_scores(torch.stack([q, k], dim=1), candidates)
@@ -194,7 +197,8 @@ VARIANTS = [dict(), dict(exclude_same_instance=False), dict(false_negatives="eli
 @pytest.mark.parametrize("variant", VARIANTS + [dict(symmetric_loss=True, false_negatives="eliminate")])
 def test_masked_whole_buffer_equals_the_filled_slice_moco(variant, filled):
     """The whole (K, D) buffer with its unused slots at -inf gives exactly the loss, gradient and negative
-    count of yesterday's logits against keys[:filled] (filled=0: the first step, no negatives at all)."""
+    count of yesterday's logits against keys[:filled]. filled=0 (the first step) is no longer "no
+    negatives at all" (a loss of 0): the negatives are then the other images' keys of the step."""
     m = moco(**variant).train()
     ids = torch.tensor([0, 1, 30, 2, 31, 32, 3, 33, 34, 35, 36, 37])[:filled]  # queries 0-3's own images queued
     m.enqueue(torch.randn(filled, 16, generator=torch.Generator().manual_seed(3)), ids)
@@ -206,14 +210,17 @@ def test_masked_whole_buffer_equals_the_filled_slice_moco(variant, filled):
     k1, k2 = m.encode_keys(x1), m.encode_keys(x2)
     keys, kids = m.queue.keys[:filled], m.queue.instance_ids[:filled]
     pairs = [(q1, k2)] + ([(q2, k1)] if m.config.symmetric_loss else [])
-    terms = [old_slice_terms(m.config, q, k, keys, kids, instance) for q, k in pairs]
+    if filled:
+        terms = [old_slice_terms(m.config, q, k, keys, kids, instance) for q, k in pairs]
+    else:  # empty queue: the step's keys of the other images
+        terms = [old_slice_terms(m.config, q, k, k, instance, instance, own_row=True) for q, k in pairs]
     loss = sum(t[0] for t in terms) / len(terms)
     torch.testing.assert_close(out.loss, loss, rtol=1e-5, atol=1e-6)
     for got, want in zip(grad, torch.autograd.grad(loss, list(m.projector.parameters())), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     counts = None if terms[0][1] is None else torch.cat([t[1] for t in terms]).float().mean()
     torch.testing.assert_close(out.num_negatives, torch.tensor(float(filled)) if counts is None else counts)
-    assert out.logits.shape[1] == 1 + 12  # always the whole buffer
+    assert out.logits.shape[1] == 1 + 12  # always the whole buffer (the first step's in-batch keys in its columns)
 
 
 @pytest.mark.parametrize("filled", [0, 7])
