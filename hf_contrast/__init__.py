@@ -37,7 +37,7 @@ from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .modeling_moco import MoCoModel
 from .modeling_mocov3 import MoCoV3Model
 from .modeling_simclr import SimCLRModel
-from .momentum import ema_update_, enqueue_, momentum_at
+from .momentum import ema_update_, momentum_at
 from .monitors import (
     FalseNegativeMonitor,
     KNNMonitor,
@@ -102,7 +102,6 @@ __all__ = [
     "check_shards",
     "create_backbone",
     "ema_update_",
-    "enqueue_",
     "eval_dataset",
     "export_encoder",
     "extract_features",

@@ -1,4 +1,4 @@
-"""The momentum (EMA) key encoder update, its schedules, and the FIFO queue of negative keys."""
+"""The momentum (EMA) key encoder update and its schedules (the queue is hf_contrast.queue.NegativeQueue)."""
 
 from __future__ import annotations
 
@@ -72,22 +72,3 @@ def model_ema_update_(model, momentum: float) -> None:
     _, target, source = cache
     torch._foreach_mul_(target, momentum)
     torch._foreach_add_(target, source, alpha=1.0 - momentum)
-
-
-@torch.no_grad()
-def enqueue_(queue: torch.Tensor, ptr: torch.Tensor, keys: torch.Tensor) -> None:
-    """Write ``keys`` ``(B, D)`` into the ring buffer ``queue`` ``(K, D)`` at ``ptr``, FIFO.
-
-    Works for any K and B: the write wraps around the end of the buffer, and when B > K only the
-    newest K keys are kept. ``ptr`` (a 0-d long tensor) then points at the oldest key.
-    """
-    size = queue.shape[0]
-    keys = keys.detach().to(queue.dtype)
-    if keys.shape[0] > size:  # only the newest K survive a write larger than the queue
-        start = int(ptr) + keys.shape[0] - size
-        keys = keys[-size:]
-        ptr.fill_(start % size)
-    n = keys.shape[0]
-    idx = (int(ptr) + torch.arange(n, device=queue.device)) % size  # (B,) slots, wrapping around
-    queue.index_copy_(0, idx, keys)
-    ptr.fill_((int(ptr) + n) % size)

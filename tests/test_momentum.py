@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hf_contrast import ema_update_, enqueue_, momentum_at
+from hf_contrast import ema_update_, momentum_at
 
 
 @pytest.mark.parametrize("m", [0.0, 0.5, 0.99, 0.999, 1.0])
@@ -42,20 +42,22 @@ def test_momentum_schedules():
 
 @pytest.mark.parametrize("size,batches", [(10, [4, 4, 4, 4]), (7, [3, 5, 1, 6]), (5, [12]), (6, [6, 6]), (3, [1] * 8)])
 def test_queue_is_fifo_for_any_size(size, batches):
-    queue = torch.full((size, 1), -1.0)
-    ptr = torch.zeros((), dtype=torch.long)
+    """The queue the models use (``NegativeQueue.push``), for sizes that are not multiples of the batch and a
+    batch larger than the queue: read from the pointer (the oldest), it holds the newest ``size`` keys in order."""
+    from hf_contrast.queue import NegativeQueue
+
+    queue = NegativeQueue(size, 1)
     written = []
     counter = 0
     for b in batches:
-        keys = torch.arange(counter, counter + b, dtype=torch.float).unsqueeze(1)
+        keys = torch.arange(counter, counter + b, dtype=torch.float).unsqueeze(1)  # (b, 1)
         counter += b
-        enqueue_(queue, ptr, keys)
+        queue.push(keys)
         written += keys.squeeze(1).tolist()
-        # reading from ptr (the oldest) around the ring gives the newest `size` keys in order
-        ring = torch.cat([queue[int(ptr):], queue[: int(ptr)]]).squeeze(1).tolist()
-        newest = written[-size:]
-        assert [x for x in ring if x >= 0] == newest
-    assert int(ptr) == sum(batches) % size
+        ptr, filled = int(queue.ptr), int(queue.filled)
+        ring = torch.cat([queue.keys[ptr:], queue.keys[:ptr]]) if filled == size else queue.keys[:filled]
+        assert ring.squeeze(1).tolist() == written[-size:]
+    assert int(queue.ptr) == sum(batches) % size
 
 
 def test_ema_refuses_bfloat16_targets_where_it_would_do_nothing():
