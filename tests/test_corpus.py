@@ -85,14 +85,30 @@ def test_trainer_warns_on_a_narrow_corpus(digits, caplog, tmp_path):
         trainer._warn_narrow_corpus()
     text = caplog.text
     assert "51.2% of the 4,000 images" in text and "probability 13.1%" in text and "about 205 negatives" in text
+    assert text.rstrip().endswith("256 gave kNN 0.806 and 4,096 gave 0.768).") and "Try queue_size=565:" in text
+    assert "exclude_same_instance=True masks" not in text  # on by default: not advised as if it were off
     caplog.clear()
     model.config.symmetric_loss = True  # both views enter the queue: it spans 1,024 images
     with caplog.at_level(logging.WARNING, logger="hf_contrast.trainer"):
         trainer._warn_narrow_corpus()
     assert "probability 3.3%" in caplog.text and "both views are queued; about 0.07 such keys" in caplog.text
+    assert "Try queue_size=1131:" in caplog.text  # the queue spans K/2 images: twice the keys for the same budget
+
+
+@pytest.mark.parametrize("n,budget", [(4000, 0.01), (50_000, 0.01), (1000, 0.05), (2624, 0.01)])
+def test_suggested_pool_is_the_largest_queue_within_the_budget(n, budget):
+    """Checked against the estimate itself (and so against the simulation above): the suggestion's own-image
+    probability is within the budget and one key more is over it."""
+    k = false_negative_estimate(64, n, own_image_budget=budget).suggested_pool
+    assert false_negative_estimate(k, n).own_image_probability <= budget
+    assert false_negative_estimate(k + 1, n).own_image_probability > budget
+    assert false_negative_estimate(k, n, queued=False).suggested_pool == k  # in-batch: the pool itself
+    with pytest.raises(ValueError, match="own_image_budget=0 is invalid"):
+        false_negative_estimate(k, n, own_image_budget=0)
 
 
 def test_planner_adds_the_estimate():
     text = plan.false_negative_lines(32768, 510, 50000, 10)
     assert "65.5% of the 50,000 images" in text and "probability 21.5%" in text and "about 3,277" in text
     assert "consider false_negatives='eliminate'" in text
+    assert "Suggested queue size: 7,071 (own-image probability <= 1%" in text and "(queue_size=7071)" in text

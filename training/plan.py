@@ -390,9 +390,11 @@ def false_negative_lines(queue_size: int, simclr_pool: int, dataset_size: int, n
     simclr = false_negative_estimate(simclr_pool, dataset_size, num_classes, queued=False)
     lines = ["False negatives (hf_contrast.corpus):", f"  MoCo queue: {moco.describe()}",
              f"  SimCLR in-batch: {simclr.describe()}"]
+    lines.append(f"  Suggested queue size: {moco.suggested_pool:,} (own-image probability <= "
+                 f"{moco.own_image_budget:.0%}; the same-class share, 1/C of the negatives, does not depend on it)")
     if moco.fraction >= 0.1:
         lines.append("  The queue is a large fraction of the corpus: keep exclude_same_instance=True and consider "
-                     "false_negatives='eliminate' or a smaller queue.")
+                     f"false_negatives='eliminate' or a smaller queue (queue_size={moco.suggested_pool}).")
     return "\n".join(lines)
 
 
