@@ -140,8 +140,12 @@ def gather_objects(obj) -> list:
 
 
 def shutdown() -> None:
-    """Destroy the default process group, if any: a script under ``torchrun`` should end with it. Left to
-    the interpreter's exit, gloo's threads can still run while its objects are torn down, and the process
-    then aborts ("terminate called without an active exception", seen on loaded machines)."""
+    """Wait for every process, then destroy the default process group, if any: a script under ``torchrun``
+    should end with it. Left to the interpreter's exit, gloo's threads can still run while its objects are
+    torn down, and the process then aborts ("terminate called without an active exception", seen on loaded
+    machines). The barrier first: rank 0 often works on alone (evaluation, export) while the others have
+    finished, and a process group shut down on one side while the other still holds it open is the other
+    way to the same abort."""
     if is_distributed():
+        dist.barrier()
         dist.destroy_process_group()

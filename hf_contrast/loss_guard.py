@@ -38,9 +38,8 @@ class NonFiniteLossGuard:
         if self.first_bad_step is None or self.first_bad_step.device != loss.device:
             self.first_bad_step = torch.full((), -1, dtype=torch.long, device=loss.device)
             self.local_loss = torch.zeros((), device=loss.device)
-        finite = torch.isfinite(loss)  # ()
-        if distributed.is_distributed():  # every process accepts or rejects the same gathered keys
-            finite = distributed.gather_no_grad(finite.float().view(1)).min() > 0  # (W,) -> (): no host read
+        # (W,) -> (): every process accepts or rejects the same gathered keys; one all-reduce, no host read
+        finite = distributed.non_finite_flags(loss).sum() == 0
         first = ~finite & (self.first_bad_step < 0)  # () this step is the first bad one (on some process)
         self.first_bad_step.copy_(torch.where(first, step, self.first_bad_step))
         self.local_loss.copy_(torch.where(first, loss, self.local_loss))

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import TrainerCallback
+from stop_at import StopAt
 
 from hf_contrast import (
     ContrastiveTrainer,
@@ -39,15 +39,6 @@ def test_items_are_uint8_images_with_the_views_parameters(digits):
     batch = torch.utils.data.default_collate(items)  # what the trainer's DataLoader gives
     v1, v2 = DeviceAugmentation(augmentation)(batch["images"], batch["view_params"])
     assert v1.shape == v2.shape == (2, 3, 32, 32) and not torch.equal(v1, v2)
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 class RecordingTrainer(ContrastiveTrainer):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import TrainerCallback
+from stop_at import StopAt
 
 from hf_contrast import CheckpointError, momentum_at
 
@@ -32,15 +32,6 @@ def reference(tmp_path_factory):
     trainer = crash_train.build_trainer(str(out))
     trainer.train()
     return crash_train.final_state(trainer), crash_train.losses(trainer), out
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def assert_same_state(state, ref_state):

@@ -42,7 +42,7 @@ def step(model, x1, x2) -> dict[str, torch.Tensor]:
         loss /= distributed.world_size()  # mean over all anchors of the global batch
     if out.queue_keys is not None:
         model.enqueue(distributed.gather_no_grad(out.queue_keys))
-    result = {"loss": loss, "num_negatives": torch.tensor(out.num_negatives)}
+    result = {"loss": loss, "num_negatives": torch.as_tensor(out.num_negatives).clone()}
     result.update({f"grad.{n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
     if hasattr(model, "queue"):
         result.update(queue=model.queue.keys.clone(), queue_ptr=model.queue.ptr.clone())

@@ -9,10 +9,10 @@ states to ``OUT_DIR/{full,resumed}_rank<r>.safetensors``.
 
 import argparse
 import os
+import sys
 
 import torch
 from safetensors.torch import save_file
-from transformers import TrainerCallback
 
 from hf_contrast import (
     ContrastiveTrainer,
@@ -25,16 +25,10 @@ from hf_contrast import (
     two_view_dataset,
 )
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: stop_at
+from stop_at import StopAt  # noqa: E402
+
 IMAGES, BATCH, EPOCHS = 48, 8, 3
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def build(out_dir: str, workers: int, save_steps: int, max_steps: int) -> ContrastiveTrainer:

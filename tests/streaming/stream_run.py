@@ -12,11 +12,11 @@ import argparse
 import glob
 import json
 import os
+import sys
 
 import datasets
 import torch
 from safetensors.torch import save_file
-from transformers import TrainerCallback
 
 from hf_contrast import (
     ContrastiveTrainer,
@@ -29,16 +29,10 @@ from hf_contrast import (
 from hf_contrast.shards import read_shard_sizes
 from hf_contrast.streaming import StreamingTwoViewDataset
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: stop_at
+from stop_at import StopAt  # noqa: E402
+
 BATCH = 8
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 class RecordingTrainer(ContrastiveTrainer):
