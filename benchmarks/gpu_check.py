@@ -236,7 +236,7 @@ class Method:
             self._keys = None
 
     def after_step(self) -> None:
-        if hasattr(self.model, "momentum_update"):
+        if getattr(self.model, "has_momentum_encoder", hasattr(self.model, "momentum_update")):
             self.model.momentum_update(0.999)
 
     def timed(self, b: int, image_size: int) -> float:

@@ -111,6 +111,13 @@ class ContrastiveConfig(PreTrainedConfig):
         _check(lambda: self.image_size >= 1, "image_size", self.image_size, "an integer >= 1 (pixels)")
 
 
+    def nominal_negatives(self, per_device_batch_size: int | None, world_size: int = 1) -> int | None:
+        """Negatives per anchor before false-negative cancellation (a queue: once full); ``None`` when they
+        depend on a batch size that is unknown. Each method's configuration states its own count (see
+        :func:`hf_contrast.negatives_per_anchor`, which subtracts what cancellation takes)."""
+        raise NotImplementedError(f"{type(self).__name__} must define nominal_negatives(per_device_batch_size, "
+                                  "world_size): the negatives each anchor is contrasted with")
+
     def _check_false_negative_fields(self) -> None:
         _check(lambda: 0.0 <= self.tau_plus < 1.0, "tau_plus", self.tau_plus, "a float in [0, 1) (0: InfoNCE; 0.1 in the paper)")
         _check(self.false_negatives in FALSE_NEGATIVE_MODES, "false_negatives", self.false_negatives,
@@ -168,6 +175,10 @@ class MoCoConfig(ContrastiveConfig):
                f"one of {MOMENTUM_SCHEDULES}")
         _check(lambda: self.key_bn_splits >= 1, "key_bn_splits", self.key_bn_splits, "an integer >= 1 (1: off)")
 
+    def nominal_negatives(self, per_device_batch_size: int | None, world_size: int = 1) -> int:
+        """``queue_size``, whatever the batch (once the queue is full)."""
+        return self.queue_size
+
 
 @strict(accept_kwargs=True)
 class SimCLRConfig(ContrastiveConfig):
@@ -210,6 +221,12 @@ class SimCLRConfig(ContrastiveConfig):
         _check(self.grad_cache_chunk_size is None or (self.tau_plus == 0 and self.false_negatives is None),
                "grad_cache_chunk_size", self.grad_cache_chunk_size,
                "None when tau_plus > 0 or false_negatives is set (the cached step computes plain NT-Xent)")
+
+    def nominal_negatives(self, per_device_batch_size: int | None, world_size: int = 1) -> int | None:
+        """``2 N W - 2`` with the views of all ``W`` processes gathered, else ``2 N - 2``."""
+        if per_device_batch_size is None:
+            return None
+        return 2 * per_device_batch_size * (world_size if self.gather_distributed else 1) - 2
 
 
 @strict(accept_kwargs=True)
@@ -297,6 +314,13 @@ class MoCoV3Config(ContrastiveConfig):
         _check(lambda: 0.0 <= self.momentum <= 1.0, "momentum", self.momentum, "in [0, 1] (0.99 in MoCo v3)")
         _check(self.momentum_schedule in MOMENTUM_SCHEDULES, "momentum_schedule", self.momentum_schedule,
                f"one of {MOMENTUM_SCHEDULES}")
+
+    def nominal_negatives(self, per_device_batch_size: int | None, world_size: int = 1) -> int | None:
+        """``N W - 1`` in-batch keys gathered over ``W`` processes (``N - 1`` without ``gather_distributed``),
+        plus ``queue_size`` queued keys (once the queue is full)."""
+        if per_device_batch_size is None:
+            return None
+        return per_device_batch_size * (world_size if self.gather_distributed else 1) - 1 + self.queue_size
 
     @classmethod
     def for_backbone(cls, backbone: str, **kwargs) -> MoCoV3Config:

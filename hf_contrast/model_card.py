@@ -16,21 +16,18 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .negatives import negatives_per_anchor
 from .throughput import summarize_throughput
 
 logger = logging.getLogger(__name__)
 
 TEMPLATE_NAME = "encoder_card.md.jinja"
 CURVES_FILENAME = "training_curves.png"
-METHOD_NAMES = {"hf_contrast_moco": "MoCo", "hf_contrast_simclr": "SimCLR", "hf_contrast_mocov3": "MoCo v3"}
 _CURVE_KEYS = (("loss", "contrastive loss"), ("contrastive_top1", "contrastive top-1"), ("knn_top1", "kNN top-1"))
 
 
@@ -122,6 +119,8 @@ class EncoderCardData:
         repo_id: the Hub repo, used in the loading snippets.
         license: YAML ``license``.
         log_history: ``trainer.state.log_history``, plotted as the training curves.
+        negatives_text: the paragraph on how an anchor's negatives arise (from the method's
+            ``explain_negatives``; :meth:`from_model` fills it).
     """
 
     method: str
@@ -162,6 +161,7 @@ class EncoderCardData:
     repo_id: str | None = None
     license: str = "apache-2.0"
     log_history: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    negatives_text: str | None = None
 
     def __post_init__(self):
         if self.knn_top1 is None:
@@ -189,9 +189,7 @@ class EncoderCardData:
             overrides: any field of :class:`EncoderCardData`.
         """
         cfg = model.config
-        moco = cfg.model_type == "hf_contrast_moco"
-        queued = moco or getattr(cfg, "queue_size", 0) > 0  # MoCo v2, or MoCo v3 with its optional queue
-        ema = moco or cfg.model_type == "hf_contrast_mocov3"  # a momentum encoder
+        queued, ema = model.has_queue, model.has_momentum_encoder  # the method interface, no class check
         head = f"{cfg.projection_layers}-layer MLP {cfg.projection_hidden_dim}-{cfg.projection_dim}"
         head += ", BatchNorm" if cfg.projection_batch_norm else ""
         head += ", output BatchNorm" if cfg.projection_output_batch_norm else ""
@@ -199,7 +197,7 @@ class EncoderCardData:
             head += (f"; predictor {cfg.predictor_layers}-layer MLP {cfg.predictor_hidden_dim}-{cfg.projection_dim}"
                      + (", output BatchNorm" if cfg.predictor_output_batch_norm else ""))
         fields = dict(
-            method=METHOD_NAMES.get(cfg.model_type, cfg.model_type),
+            method=model.describe(),
             backbone=cfg.backbone.split(".", 1)[0],
             num_features=model.encoder.num_features,
             num_parameters=sum(p.numel() for p in model.encoder.parameters()),
@@ -208,12 +206,12 @@ class EncoderCardData:
             std=getattr(cfg, "image_std", None),
             temperature=cfg.temperature,
             projection=head,
-            gather_distributed=None if moco else cfg.gather_distributed,
-            queue_size=cfg.queue_size if queued else None,
-            momentum=cfg.momentum if ema else None,
-            momentum_schedule=cfg.momentum_schedule if ema else None,
-            symmetric_loss=cfg.symmetric_loss if moco else None,
-            exclude_same_instance=cfg.exclude_same_instance if queued else None,
+            gather_distributed=getattr(cfg, "gather_distributed", None) if model.in_batch_negatives else None,
+            queue_size=getattr(cfg, "queue_size", None) if queued else None,
+            momentum=getattr(cfg, "momentum", None) if ema else None,
+            momentum_schedule=getattr(cfg, "momentum_schedule", None) if ema else None,
+            symmetric_loss=getattr(cfg, "symmetric_loss", None),
+            exclude_same_instance=getattr(cfg, "exclude_same_instance", None) if queued else None,
             false_negatives=getattr(cfg, "false_negatives", None),
             false_negative_top_k=getattr(cfg, "false_negative_top_k", None),
             tau_plus=getattr(cfg, "tau_plus", 0.0),
@@ -224,7 +222,9 @@ class EncoderCardData:
         fields.update(overrides)
         card = cls(**fields)
         if card.negatives is None:
-            card.negatives = negatives_per_anchor(cfg, card.per_device_batch_size, card.world_size)
+            card.negatives = model.negatives_per_anchor(card.per_device_batch_size, card.world_size)
+        if card.negatives_text is None:
+            card.negatives_text = model.explain_negatives(card.per_device_batch_size, card.world_size, card.negatives)
         return card
 
     @classmethod
@@ -257,14 +257,6 @@ class EncoderCardData:
         return cls.from_model(model, augmentation, **{**fields, **overrides})
 
     @property
-    def is_moco(self) -> bool:
-        return self.method.lower() == "moco"
-
-    @property
-    def is_mocov3(self) -> bool:
-        return self.method.lower() == "moco v3"
-
-    @property
     def global_batch_size(self) -> int | None:
         """Images per optimizer step: per-device batch x world size x accumulation."""
         if self.per_device_batch_size is None:
@@ -274,52 +266,9 @@ class EncoderCardData:
     @property
     def negatives_explanation(self) -> str:
         """How the negatives of one anchor arise, in one paragraph."""
-        n, w, k = self.per_device_batch_size, self.world_size, self.negatives
-        if self.is_moco:
-            per_step = None if n is None else n * w * (2 if self.symmetric_loss else 1)
-            text = (f"Each query has 1 positive (the key of its other view) and **{k} negatives**: the keys of "
-                    f"earlier batches held in MoCo's FIFO queue (`queue_size={self.queue_size}`), computed by the "
-                    "momentum key encoder. The count does not depend on the batch size.")
-            if per_step and per_step < self.queue_size:
-                text += (f" Each micro-batch enqueues {per_step} keys (gathered from {w} process(es)), so the "
-                         f"queue spans the last {math.ceil(self.queue_size / per_step)} micro-batches.")
-            elif per_step:
-                text += (f" Each micro-batch enqueues {per_step} keys (gathered from {w} process(es)), more than the "
-                         "queue holds: it keeps only the newest of them.")
-            return text
-        if n is None:
-            return "The per-device batch size was not recorded, so the number of negatives is unknown."
-        if self.is_mocov3:
-            queue = self.queue_size or 0
-            if self.gather_distributed:
-                text = (f"Each query has 1 positive (the momentum encoder's key of its other view) and **{k} "
-                        "negatives**: in-batch keys of the momentum encoder, gathered over W processes: N*W - 1 "
-                        + (f"+ K negatives, with K = {queue} queued keys, " if queue else "negatives, with ")
-                        + f"N = {n} images per device and W = {w} process(es). Keys are gathered without gradient"
-                        + ("." if queue else "; there is no queue."))
-            else:
-                text = (f"Each query has 1 positive and **{k} negatives = N - 1"
-                        + (" + K" if queue else "") + f"** with N = {n} images per device"
-                        + (f" and K = {queue} queued keys" if queue else "") + ": the momentum encoder's keys of "
-                        "its own device's batch (`gather_distributed=False`)" + (" and the queue." if queue else "."))
-                if w > 1:
-                    text += (f" The keys on the other {w - 1} process(es) were not used"
-                             + (" as in-batch negatives (they do enter the queue)." if queue else "."))
-            if queue:
-                per_step = 2 * n * w
-                text += (" The queue (not in the official MoCo v3) holds "
-                         f"the keys of both views of earlier batches, {per_step} entering per micro-batch (gathered "
-                         f"from {w} process(es)), so it spans the last {math.ceil(queue / per_step)} micro-batches.")
-            return text
-        if self.gather_distributed:
-            return (f"Each anchor has 1 positive and **{k} negatives = 2·N·W − 2** with N = {n} images per device "
-                    f"and W = {w} process(es): the other views of the global batch, gathered from every process "
-                    "with gradient (`gather_distributed=True`).")
-        text = (f"Each anchor has 1 positive and **{k} negatives = 2·N − 2** with N = {n} images per device: "
-                "only the views of its own device's batch (`gather_distributed=False`).")
-        if w > 1:
-            text += f" The views on the other {w - 1} process(es) were not used as negatives."
-        return text
+        if self.negatives_text is not None:
+            return self.negatives_text
+        return f"Each anchor is contrasted with {self.negatives} negatives per step."
 
     @property
     def false_negative_note(self) -> str:

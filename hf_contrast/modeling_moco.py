@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,6 @@ from .configuration import MoCoConfig
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
 from .losses import _fp32_normalize, _no_autocast, contrastive_loss, info_nce_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
-from .momentum import model_ema_update_
 from .queue import NegativeQueue, upgrade_legacy_queue_state
 from .split_batch_norm import convert_split_batch_norm, split_batch_norm
 
@@ -56,6 +56,9 @@ class MoCoModel(ContrastivePreTrainedModel):
     """
 
     config_class = MoCoConfig
+    method_name = "MoCo"
+    in_batch_negatives = False  # the negatives are the queue's keys (the first step's in-batch keys aside)
+    encode_keys_normalized = True  # encode_keys gives the keys as queued: the queue monitors can re-encode them
 
     def __init__(self, config: MoCoConfig):
         super().__init__(config)
@@ -65,7 +68,7 @@ class MoCoModel(ContrastivePreTrainedModel):
         if config.shuffle_bn and config.key_bn_splits > 1:  # one-process split-BN, active only in encode_keys
             convert_split_batch_norm(self.key_encoder)
             convert_split_batch_norm(self.key_projector)
-        self._freeze_key_side()
+        self.freeze_key_side()
         self.queue = NegativeQueue(config.queue_size, config.projection_dim)
         self.register_load_state_dict_pre_hook(
             lambda module, state_dict, prefix, *args: upgrade_legacy_queue_state(state_dict, prefix, module.queue))
@@ -77,56 +80,38 @@ class MoCoModel(ContrastivePreTrainedModel):
         return self.queue.pointer
 
     @property
-    def queue_filled(self) -> int:
-        """How many queue slots hold real keys (host int)."""
-        return self.queue.num_filled
+    def queued_views(self) -> int:
+        """Keys per image enqueued each step: 2 with ``symmetric_loss`` (both views' keys), else 1."""
+        return 2 if self.config.symmetric_loss else 1
 
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """``PreTrainedModel.from_pretrained``; the loader materialises fresh parameters, so the key side
-        is frozen again afterwards."""
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        missing = [k for k in info.get("missing_keys", ()) if k.startswith("queue.")]
-        if missing:
+    def key_modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.key_encoder, self.key_projector)
+
+    def check_training_setup(self, per_device_batch_size: int, world_size: int) -> None:
+        """The base checks, and split-BN's: the batch must split into ``key_bn_splits`` equal sub-batches
+        of at least 2 images (one process)."""
+        super().check_training_setup(per_device_batch_size, world_size)
+        splits = self.config.key_bn_splits if self.config.shuffle_bn and world_size == 1 else 1
+        b = per_device_batch_size
+        if splits > 1 and (b % splits or b // splits < 2):
             raise ValueError(
-                f"The checkpoint lacks the queue state {sorted(missing)} (written before the queue kept instance ids, "
-                "as loose 'queue', 'queue_ptr', 'queue_filled' tensors?). Load its state dict with "
-                "model.load_state_dict(safetensors.torch.load_file(...)), which upgrades that layout, or retrain."
-            )
-        model._freeze_key_side()
-        model.queue.sync_from_buffers()
-        return (model, info) if want_info else model
+                f"per_device_train_batch_size={b} cannot be split into key_bn_splits={splits} equal sub-batches of "
+                f"at least 2 images (split-BN on one process): use a batch that is a multiple of {splits} and at "
+                f"least {2 * splits}, or key_bn_splits=1.")
 
-    def _freeze_key_side(self) -> None:
-        for p in self.key_parameters():
-            p.requires_grad_(False)
-
-    def query_parameters(self) -> list[torch.nn.Parameter]:
-        return [*self.encoder.parameters(), *self.projector.parameters()]
-
-    def key_parameters(self) -> list[torch.nn.Parameter]:
-        return [*self.key_encoder.parameters(), *self.key_projector.parameters()]
-
-    @torch.no_grad()
-    def momentum_update(self, momentum: float) -> None:
-        """``theta_k <- momentum * theta_k + (1 - momentum) * theta_q`` for every key-side parameter
-        (one fused foreach update). Call once per optimizer step; BatchNorm buffers are not averaged."""
-        model_ema_update_(self, momentum)
-
-    @torch.no_grad()
-    def enqueue(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,
-                check_finite: bool = True, accept: torch.Tensor | None = None) -> None:
-        """Write keys ``(B, D)`` and their instance ids ``(B,)`` into the queue, FIFO with wrap-around.
-        Keys and ids must be the same on every process (gather them first, see
-        :func:`hf_contrast.distributed.gather_no_grad`); ``step`` is recorded as their entry step.
-
-        ``check_finite`` drops NaN/inf keys, which would poison every later loss. It is the one
-        host-device sync left here (a data-dependent shape); the trainer passes False and instead
-        ``accept``: a 0-d bool device tensor (e.g. "the loss is finite" on every process); when False the
-        queue is left exactly as it was, without a host read (see :meth:`NegativeQueue.push`).
-        """
-        self.queue.enqueue(keys, instance_ids, step, check_finite, accept)
+    def explain_negatives(self, per_device_batch_size: int | None, world_size: int, negatives: int | None) -> str:
+        n, w, queue = per_device_batch_size, world_size, self.config.queue_size
+        per_step = None if n is None else n * w * self.queued_views
+        text = (f"Each query has 1 positive (the key of its other view) and **{negatives} negatives**: the keys of "
+                f"earlier batches held in MoCo's FIFO queue (`queue_size={queue}`), computed by the "
+                "momentum key encoder. The count does not depend on the batch size.")
+        if per_step and per_step < queue:
+            text += (f" Each micro-batch enqueues {per_step} keys (gathered from {w} process(es)), so the "
+                     f"queue spans the last {math.ceil(queue / per_step)} micro-batches.")
+        elif per_step:
+            text += (f" Each micro-batch enqueues {per_step} keys (gathered from {w} process(es)), more than the "
+                     "queue holds: it keeps only the newest of them.")
+        return text
 
     def negatives(self) -> torch.Tensor:
         """The filled part of the queue ``(K_filled, D)``, detached (for diagnostics; the forward uses the

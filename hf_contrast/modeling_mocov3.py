@@ -4,6 +4,7 @@ optionally (``queue_size > 0``) a FIFO queue of earlier keys as extra negatives.
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import torch
@@ -17,7 +18,6 @@ from .configuration import MoCoV3Config
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
 from .losses import contrastive_loss, mocov3_logits
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
-from .momentum import model_ema_update_
 from .queue import NegativeQueue
 
 SYNC_BATCH_NORM_DEVICES = ("cuda", "xpu", "hpu")  # where torch's SyncBatchNorm runs across processes
@@ -69,6 +69,7 @@ class MoCoV3Model(ContrastivePreTrainedModel):
     """
 
     config_class = MoCoV3Config
+    method_name = "MoCo v3"
     momentum_schedule_offset = 1  # MomentumCallback: the update after step i uses m_{i+1} (see above)
 
     def __init__(self, config: MoCoV3Config):
@@ -84,46 +85,19 @@ class MoCoV3Model(ContrastivePreTrainedModel):
                 convert_sync_batchnorm(m) for m in (self.encoder, self.projector, self.predictor))
         self.momentum_encoder = copy.deepcopy(self.encoder)
         self.momentum_projector = copy.deepcopy(self.projector)
-        self._freeze()
+        self.freeze_key_side()
         if config.queue_size > 0:  # no attribute at all without one: monitors and the trainer ask for `queue`
             self.queue = NegativeQueue(config.queue_size, config.projection_dim)
         self.post_init()
 
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """``PreTrainedModel.from_pretrained``; the loader materialises fresh parameters, so the momentum
-        side (and a frozen patch projection) is frozen again afterwards, and a queue's host-side pointer
-        and fill count are read back from its buffers."""
-        loaded = super().from_pretrained(*args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        model._freeze()
-        if model.has_queue:
-            model.queue.sync_from_buffers()
-        return loaded
-
     @property
-    def has_queue(self) -> bool:
-        """Whether the model keeps a queue of earlier keys (``config.queue_size > 0``)."""
-        return getattr(self, "queue", None) is not None
+    def queued_views(self) -> int:
+        """Both views' keys enter the queue (when there is one)."""
+        return 2
 
-    @property
-    def queue_filled(self) -> int:
-        """How many queue slots hold real keys (host int; 0 without a queue)."""
-        return self.queue.num_filled if self.has_queue else 0
-
-    @torch.no_grad()
-    def enqueue(self, keys: torch.Tensor, instance_ids: torch.Tensor | None = None, step: int = -1,
-                check_finite: bool = True, accept: torch.Tensor | None = None) -> None:
-        """Write keys ``(B, D)`` and their ids ``(B,)`` into the queue, FIFO, normalised, as
-        :meth:`hf_contrast.MoCoModel.enqueue` (gather them over processes first; ``accept``: a 0-d bool
-        device tensor, False leaves the queue as it was)."""
-        if not self.has_queue:
-            raise ValueError("enqueue needs a queue: this MoCoV3Model has queue_size=0 (in-batch keys only)")
-        self.queue.enqueue(keys, instance_ids, step, check_finite, accept)
-
-    def _freeze(self) -> None:
-        for p in self.key_parameters():
-            p.requires_grad_(False)
+    def freeze_key_side(self) -> None:
+        """The momentum side, and with ``freeze_patch_embed`` the patch projection (as the official ViT recipe)."""
+        super().freeze_key_side()
         if self.config.freeze_patch_embed:
             proj = getattr(getattr(self.encoder, "patch_embed", None), "proj", None)
             if not isinstance(proj, nn.Module):
@@ -140,19 +114,35 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         loss sits at ``loss_scale * ln(N * W)``."""
         return 4.0 * self.config.temperature
 
-    def query_parameters(self) -> list[torch.nn.Parameter]:
-        """Encoder and projector: the parameters the momentum side follows (not the predictor)."""
-        return [*self.encoder.parameters(), *self.projector.parameters()]
+    def key_modules(self) -> tuple[nn.Module, ...]:
+        """The momentum encoder and projector; they follow the encoder and projector (not the predictor)."""
+        return (self.momentum_encoder, self.momentum_projector)
 
-    def key_parameters(self) -> list[torch.nn.Parameter]:
-        return [*self.momentum_encoder.parameters(), *self.momentum_projector.parameters()]
-
-    @torch.no_grad()
-    def momentum_update(self, momentum: float) -> None:
-        """``theta_k <- momentum * theta_k + (1 - momentum) * theta_q`` for every momentum-side parameter
-        (one fused foreach update), as :meth:`hf_contrast.MoCoModel.momentum_update`. Call once per
-        optimizer step; BatchNorm buffers are not averaged."""
-        model_ema_update_(self, momentum)
+    def explain_negatives(self, per_device_batch_size: int | None, world_size: int, negatives: int | None) -> str:
+        n, w, k = per_device_batch_size, world_size, negatives
+        if n is None:
+            return "The per-device batch size was not recorded, so the number of negatives is unknown."
+        queue = self.config.queue_size
+        if self.config.gather_distributed:
+            text = (f"Each query has 1 positive (the momentum encoder's key of its other view) and **{k} "
+                    "negatives**: in-batch keys of the momentum encoder, gathered over W processes: N*W - 1 "
+                    + (f"+ K negatives, with K = {queue} queued keys, " if queue else "negatives, with ")
+                    + f"N = {n} images per device and W = {w} process(es). Keys are gathered without gradient"
+                    + ("." if queue else "; there is no queue."))
+        else:
+            text = (f"Each query has 1 positive and **{k} negatives = N - 1"
+                    + (" + K" if queue else "") + f"** with N = {n} images per device"
+                    + (f" and K = {queue} queued keys" if queue else "") + ": the momentum encoder's keys of "
+                    "its own device's batch (`gather_distributed=False`)" + (" and the queue." if queue else "."))
+            if w > 1:
+                text += (f" The keys on the other {w - 1} process(es) were not used"
+                         + (" as in-batch negatives (they do enter the queue)." if queue else "."))
+        if queue:
+            per_step = 2 * n * w
+            text += (" The queue (not in the official MoCo v3) holds "
+                     f"the keys of both views of earlier batches, {per_step} entering per micro-batch (gathered "
+                     f"from {w} process(es)), so it spans the last {math.ceil(queue / per_step)} micro-batches.")
+        return text
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         return self.predictor(self.projector(self.encoder(x)))  # (N, D)

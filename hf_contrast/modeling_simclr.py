@@ -22,6 +22,7 @@ class SimCLRModel(ContrastivePreTrainedModel):
     """
 
     config_class = SimCLRConfig
+    method_name = "SimCLR"
 
     def __init__(self, config: SimCLRConfig):
         super().__init__(config)
@@ -30,6 +31,20 @@ class SimCLRModel(ContrastivePreTrainedModel):
             self.encoder = convert_sync_batchnorm(self.encoder)
             self.projector = convert_sync_batchnorm(self.projector)
         self.post_init()
+
+    def explain_negatives(self, per_device_batch_size: int | None, world_size: int, negatives: int | None) -> str:
+        n, w, k = per_device_batch_size, world_size, negatives
+        if n is None:
+            return "The per-device batch size was not recorded, so the number of negatives is unknown."
+        if self.config.gather_distributed:
+            return (f"Each anchor has 1 positive and **{k} negatives = 2·N·W − 2** with N = {n} images per device "
+                    f"and W = {w} process(es): the other views of the global batch, gathered from every process "
+                    "with gradient (`gather_distributed=True`).")
+        text = (f"Each anchor has 1 positive and **{k} negatives = 2·N − 2** with N = {n} images per device: "
+                "only the views of its own device's batch (`gather_distributed=False`).")
+        if w > 1:
+            text += f" The views on the other {w - 1} process(es) were not used as negatives."
+        return text
 
     def forward(
         self,

@@ -294,7 +294,7 @@ class QueueConsistencyMonitor(TrainingMonitor):
         if self.ages is None or step in self.records or not self._wanted(step, state):
             return  # also: only the first micro-batch of an accumulation window
         start = time.perf_counter()
-        groups = 2 if model.config.symmetric_loss else 1  # symmetric: keys of view 2, then of view 1
+        groups = model.queued_views  # symmetric: keys of view 2, then of view 1
         rows = self.max_rows
         images = torch.cat([c[:rows] for c in key_pixel_values.detach().chunk(groups)])  # (B', C, H, W)
         stored = torch.cat([c[:rows] for c in keys.detach().float().chunk(groups)])  # (B', D)
@@ -325,27 +325,25 @@ class QueueConsistencyMonitor(TrainingMonitor):
 
 
 def require_queue(model, monitor: str) -> None:
-    """Raise a ``ValueError`` naming the monitor unless ``model`` has MoCo's queue (a MoCo v3 queue is not
-    supported: the monitors re-encode keys as MoCo v2 makes them)."""
-    if hasattr(model, "momentum_encoder") and getattr(model, "queue", None) is not None:  # MoCoV3Model, queue_size > 0
-        raise ValueError(f"{monitor} supports MoCo's (v2) queue, not the optional queue of {type(model).__name__} "
-                         "(MoCo v3, queue_size > 0). Use KNNMonitor and RepresentationMonitor with MoCo v3.")
-    if hasattr(model, "queue"):
-        return
-    if hasattr(model, "momentum_encoder"):  # MoCoV3Model
+    """Raise a ``ValueError`` naming the monitor unless ``model`` keeps a queue of keys made by a momentum encoder
+    whose :meth:`encode_keys` gives them as queued (L2-normalised): MoCo's. MoCo v3's optional queue holds keys
+    normalised in the loss, not by ``encode_keys``, so it is not measured."""
+    if not model.has_queue:
         raise ValueError(
-            f"{monitor} measures MoCo's queue of keys from earlier steps, but {type(model).__name__} (MoCo v3) has no "
-            "queue: its negatives are the current batch's keys, made by today's momentum encoder, so there is no "
-            "stale key to measure. Use KNNMonitor and RepresentationMonitor with MoCo v3."
-        )
-    raise ValueError(f"{monitor} needs a MoCoModel (a model with a queue), got {type(model).__name__}")
+            f"{monitor} measures a queue of keys from earlier steps, but this {model.describe()} model has no queue: its "
+            "negatives are the current batch's, so there is no stale key to measure. Use KNNMonitor and "
+            "RepresentationMonitor instead.")
+    if not getattr(model, "encode_keys_normalized", False):
+        raise ValueError(f"{monitor} re-encodes queued keys with encode_keys, whose output this {model.describe()} "
+                         "model does not queue as is (MoCo v3's optional queue). Use KNNMonitor and "
+                         "RepresentationMonitor with it.")
 
 
 def default_ages(config, args, num_ages: int = 4) -> list[int]:
     """``num_ages`` key ages spread evenly from 1 to the queue's span in optimizer steps,
     ``ceil(queue_size / keys enqueued per optimizer step)``: the newest to the oldest keys in the queue."""
     keys_per_step = (args.per_device_train_batch_size * distributed.world_size()
-                     * args.gradient_accumulation_steps * (2 if config.symmetric_loss else 1))
+                     * args.gradient_accumulation_steps * (2 if getattr(config, "symmetric_loss", False) else 1))
     span = max(1, math.ceil(config.queue_size / keys_per_step))
     if num_ages == 1:
         return [span]
@@ -358,11 +356,11 @@ def reencode_keys(model, images: torch.Tensor, groups: int = 1) -> torch.Tensor:
     the model computes keys in training (same mode, same BatchNorm batching, each of the ``groups``
     chunks as its own batch), leaving the key side's BatchNorm running statistics and the RNG as
     they were."""
-    buffers = [*model.key_encoder.buffers(), *model.key_projector.buffers()]
+    buffers = [b for m in model.key_modules() for b in m.buffers()]
     saved = [b.clone() for b in buffers]
     try:
         with _preserved_rng(images.device):
-            # MoCoModel._key: the training key path (shuffle-BN, key_bn_splits), L2-normalised
+            # encode_keys: the training key path (MoCo: shuffle-BN, key_bn_splits), L2-normalised
             return torch.cat([model.encode_keys(chunk) for chunk in images.chunk(groups)])
     finally:
         for b, s in zip(buffers, saved, strict=True):
@@ -405,7 +403,7 @@ class FalseNegativeMonitor(TrainingMonitor):
         return self._queries
 
     def measure(self, model, state) -> dict[str, float] | None:
-        if not hasattr(model, "queue"):
+        if not model.has_queue:
             return None
         ids = model.queue.negative_ids().cpu()  # (K,)
         known = ids >= 0

@@ -3,9 +3,6 @@ the planner and the monitors all call."""
 
 from __future__ import annotations
 
-MOCO_TYPES = ("hf_contrast_moco",)
-MOCOV3_TYPES = ("hf_contrast_mocov3",)
-
 
 def negatives_per_anchor(config, per_device_batch_size: int | None, world_size: int = 1) -> int | None:
     """Negatives each anchor is contrasted with (MoCo: once the queue is full).
@@ -22,16 +19,9 @@ def negatives_per_anchor(config, per_device_batch_size: int | None, world_size: 
     queue's) same-instance masking removes a data-dependent number more: the trainer logs the measured mean per anchor as
     ``num_negatives``, and the model card shows it next to this count.
     """
-    if config.model_type in MOCO_TYPES:
-        nominal = config.queue_size
-    elif per_device_batch_size is None:
+    nominal = config.nominal_negatives(per_device_batch_size, world_size)  # each method states its own
+    if nominal is None:
         return None
-    else:
-        world = world_size if getattr(config, "gather_distributed", True) else 1
-        if config.model_type in MOCOV3_TYPES:
-            nominal = per_device_batch_size * world - 1 + getattr(config, "queue_size", 0)
-        else:
-            nominal = 2 * per_device_batch_size * world - 2
     if getattr(config, "false_negatives", None) is not None:
         nominal = max(nominal - config.false_negative_top_k, 0)
     return nominal

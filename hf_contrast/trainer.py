@@ -36,9 +36,7 @@ from .grad_cache import grad_cache_step
 from .hub import push_encoder_to_hub
 from .loss_guard import NonFiniteLossError, NonFiniteLossGuard
 from .metrics import ContrastiveMetrics
-from .modeling_moco import MoCoModel
-from .modeling_mocov3 import MoCoV3Model
-from .modeling_simclr import SimCLRModel
+from .modeling_base import ContrastivePreTrainedModel
 from .momentum import momentum_at
 from .negatives import negatives_per_anchor
 from .streaming import StreamingTwoViewDataset
@@ -192,7 +190,8 @@ class StreamEpochCallback(TrainerCallback):
 
 
 class ContrastiveTrainer(Trainer):
-    """Trainer for :class:`MoCoModel`, :class:`MoCoV3Model` and :class:`SimCLRModel`.
+    """Trainer for any :class:`~hf_contrast.modeling_base.ContrastivePreTrainedModel` (:class:`MoCoModel`,
+    :class:`MoCoV3Model`, :class:`SimCLRModel`, or a method of your own: it asks only the method interface).
 
     It accepts any dataset whose items hold ``pixel_values`` and ``pixel_values_2`` tensors.
     On top of ``Trainer`` it enqueues MoCo's keys after each micro-batch's loss, applies the key
@@ -205,9 +204,9 @@ class ContrastiveTrainer(Trainer):
 
     def __init__(self, model=None, args: TrainingArguments | None = None, **kwargs):
         args = args if args is not None else ContrastiveTrainingArguments()
-        if not isinstance(model, (MoCoModel, MoCoV3Model, SimCLRModel)):
-            raise ValueError(
-                f"ContrastiveTrainer needs a MoCoV3Model, MoCoModel or SimCLRModel, got {type(model).__name__}")
+        if not isinstance(model, ContrastivePreTrainedModel):
+            raise ValueError(f"ContrastiveTrainer needs a contrastive model (a ContrastivePreTrainedModel: MoCoModel, "
+                             f"MoCoV3Model, SimCLRModel or your own method), got {type(model).__name__}")
         sharded = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or os.environ.get(
             "ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
         if args.fsdp or args.deepspeed or sharded:
@@ -222,13 +221,11 @@ class ContrastiveTrainer(Trainer):
                              "max_steps > 0 (pretrain.py: --max_steps N; hf_contrast.streaming.steps_for_epochs "
                              "gives the steps of a number of epochs)")
         super().__init__(model=model, args=args, **kwargs)
-        self.is_moco = isinstance(model, MoCoModel)  # the queue-based MoCo (v2)
-        self.is_mocov3 = isinstance(model, MoCoV3Model)
-        self.has_queue = self.is_moco or (self.is_mocov3 and model.has_queue)  # keys enqueued after each loss
+        self.has_queue = model.has_queue  # keys enqueued after each loss
         self.add_callback(EpochCallback(self))
         if isinstance(self.train_dataset, StreamingTwoViewDataset):  # epoch = the stream's position
             self.add_callback(StreamEpochCallback(self.train_dataset))
-        self.momentum_callback = MomentumCallback() if self.is_moco or self.is_mocov3 else None
+        self.momentum_callback = MomentumCallback() if model.has_momentum_encoder else None
         if self.momentum_callback is not None:
             self.add_callback(self.momentum_callback)
         self.contrastive_metrics = ContrastiveMetrics(model.config.temperature)
@@ -240,8 +237,7 @@ class ContrastiveTrainer(Trainer):
         if self.channels_last:  # parameters keep their identity: optimizer, EMA pairs and names are unchanged
             model.to(memory_format=torch.channels_last)
         self._validate_setup()
-        in_batch = self.is_mocov3 or isinstance(model, SimCLRModel)
-        if in_batch and args.world_size > 1 and not model.config.gather_distributed:
+        if model.in_batch_negatives and args.world_size > 1 and not getattr(model.config, "gather_distributed", True):
             as_gathered = copy.copy(model.config)
             as_gathered.gather_distributed = True
             gathered = negatives_per_anchor(as_gathered, args.per_device_train_batch_size, args.world_size)
@@ -249,46 +245,17 @@ class ContrastiveTrainer(Trainer):
                 f"gather_distributed=False on {args.world_size} processes: each anchor sees only its own device's "
                 f"{self.negatives_per_anchor()} negatives, not the {gathered} of the global batch."
             )
-        if isinstance(model, SimCLRModel) and args.gradient_accumulation_steps > 1:
+        if model.in_batch_negatives and not model.has_queue and args.gradient_accumulation_steps > 1:
             logger.warning(
                 f"gradient_accumulation_steps={args.gradient_accumulation_steps} does not add negatives: "
-                "the NT-Xent loss is computed inside each micro-batch, so each anchor still has "
+                "the loss is computed inside each micro-batch, so each anchor still has "
                 f"{self.negatives_per_anchor()} negatives. Accumulation only averages gradients over more images."
             )
 
     def _validate_setup(self) -> None:
         """Clear errors before any work is wasted: no negatives, a queue the batch overwrites, bad data."""
-        a, cfg = self.args, self.model.config
-        if self.has_queue:
-            two_views = self.is_mocov3 or cfg.symmetric_loss  # MoCo v3 enqueues the keys of both views
-            keys_per_step = a.per_device_train_batch_size * a.world_size * (2 if two_views else 1)
-            if keys_per_step > cfg.queue_size:
-                raise ValueError(
-                    f"queue_size={cfg.queue_size} is smaller than the {keys_per_step} keys enqueued per micro-batch "
-                    f"(per_device_train_batch_size={a.per_device_train_batch_size} x world size {a.world_size}"
-                    + ((" x 2 views (MoCo v3)" if self.is_mocov3 else " x 2 views (symmetric_loss)") if two_views
-                       else "") + "): each step would overwrite the whole queue. Use queue_size >= that "
-                    + ("(or 0: no queue)" if self.is_mocov3 else "(65536 in MoCo)") + " or a smaller batch."
-                )
-        if self.is_moco:
-            splits = cfg.key_bn_splits if cfg.shuffle_bn and a.world_size == 1 else 1
-            b = a.per_device_train_batch_size
-            if splits > 1 and (b % splits or b // splits < 2):
-                raise ValueError(
-                    f"per_device_train_batch_size={b} cannot be split into key_bn_splits={splits} equal sub-batches of "
-                    f"at least 2 images (split-BN on one process): use a batch that is a multiple of {splits} and at "
-                    f"least {2 * splits}, or key_bn_splits=1."
-                )
-        elif self.is_mocov3 and self.negatives_per_anchor() < 1:
-            raise ValueError(
-                f"per_device_train_batch_size={a.per_device_train_batch_size} gives MoCo v3 no negatives "
-                f"(N * world size - 1 = {self.negatives_per_anchor()}): use a batch of at least 2 images."
-            )
-        elif self.negatives_per_anchor() < 1:
-            raise ValueError(
-                f"per_device_train_batch_size={a.per_device_train_batch_size} gives SimCLR no negatives "
-                f"(2 * N * world size - 2 = {self.negatives_per_anchor()}): use a per-device batch of at least 2."
-            )
+        a = self.args
+        self.model.check_training_setup(a.per_device_train_batch_size, a.world_size)  # the method's own checks
         streamed = isinstance(self.train_dataset, StreamingTwoViewDataset)
         device_views = getattr(a, "device_augmentation", False) and not streamed
         if device_views and not hasattr(self.train_dataset, "configure_device_augmentation"):
@@ -378,7 +345,7 @@ class ContrastiveTrainer(Trainer):
         """Negatives each anchor will see once training runs (MoCo: with a full queue); see
         :func:`hf_contrast.negatives.negatives_per_anchor`."""
         model = self.accelerator.unwrap_model(self.model)
-        return negatives_per_anchor(model.config, self.args.per_device_train_batch_size, self.args.world_size)
+        return model.negatives_per_anchor(self.args.per_device_train_batch_size, self.args.world_size)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """``Trainer.train``, resuming as the command line says it.
@@ -481,9 +448,9 @@ class ContrastiveTrainer(Trainer):
             pool = cfg.queue_size  # the queue before any masking (MoCo v3: its in-batch keys come on top)
         features = getattr(getattr(dataset, "dataset", dataset), "features", None) or {}
         classes = next((f.num_classes for f in features.values() if isinstance(f, datasets.ClassLabel)), None)
-        two_views = self.has_queue and (self.is_mocov3 or getattr(cfg, "symmetric_loss", False))  # both views queued
+        model = self.accelerator.unwrap_model(self.model)
         estimate = false_negative_estimate(pool, len(dataset), classes, queued=self.has_queue,
-                                           keys_per_image=2 if two_views else 1)
+                                           keys_per_image=model.queued_views if self.has_queue else 1)
         if estimate.fraction < 0.1:
             return
         remedy = ""
@@ -516,7 +483,7 @@ class ContrastiveTrainer(Trainer):
         unwrapped = self.accelerator.unwrap_model(model or self.model)
         check_checkpoint(resume_from_checkpoint, unwrapped)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        if getattr(unwrapped, "queue", None) is not None:  # MoCo, or MoCo v3 with queue_size > 0
+        if unwrapped.has_queue:
             unwrapped.queue.sync_from_buffers()  # the host-side pointer and fill count (one sync, at load)
         rank = self.args.process_index
         if isinstance(self.train_dataset, StreamingTwoViewDataset):
@@ -562,7 +529,7 @@ class ContrastiveTrainer(Trainer):
         chunk (inside Trainer's own ``no_sync`` for the other micro-batches of an accumulation window).
         """
         chunk_size = getattr(self.accelerator.unwrap_model(model).config, "grad_cache_chunk_size", None)
-        if self.is_moco or self.is_mocov3 or chunk_size is None:
+        if chunk_size is None:  # grad_cache_chunk_size: an in-batch method's (SimCLR's) option
             return super().training_step(model, inputs, num_items_in_batch)
         if self.args.n_gpu > 1:
             raise ValueError(f"grad_cache_chunk_size={chunk_size} needs one device per process (torchrun or "
@@ -693,7 +660,7 @@ class ContrastiveTrainer(Trainer):
             metrics = self.contrastive_metrics.compute_and_reset()
             logs.update(metrics)
             model = self.accelerator.unwrap_model(self.model)
-            if (self.is_moco or self.is_mocov3) and self.momentum_callback.last_momentum is not None:
+            if self.momentum_callback is not None and self.momentum_callback.last_momentum is not None:
                 logs["momentum"] = self.momentum_callback.last_momentum
             if self.has_queue:
                 logs["queue_fill"] = int(model.queue_filled) / model.config.queue_size

@@ -217,9 +217,9 @@ def test_queue_is_enqueued_once_per_step_with_both_views_and_counted(tmp_path):
     assert [h["num_negatives"] for h in logs] == [8 - 1 + 0, 8 - 1 + 16]  # first step: empty queue
     assert [h["queue_fill"] for h in logs] == [16 / 64, 32 / 64]
     assert negatives_per_anchor(model.config, 8) == 8 - 1 + 64 == trainer.negatives_per_anchor()
-    with pytest.raises(ValueError, match=r"queue_size=12 is smaller than the 16 keys .* x 2 views \(MoCo v3\)"):
+    with pytest.raises(ValueError, match=r"queue_size=12 is smaller than the 16 keys .* x 2 views\) of MoCo v3"):
         ContrastiveTrainer(model=build(queue_size=12), args=args(tmp_path), train_dataset=tensor_dataset(16))
-    with pytest.raises(ValueError, match="supports MoCo's \\(v2\\) queue"):
+    with pytest.raises(ValueError, match="MoCo v3 model does not queue as is"):
         QueueConsistencyMonitor(every_n_steps=1).attach(trainer)
 
 

@@ -129,7 +129,7 @@ def test_no_signal_is_detected_and_reported(tmp_path, caplog):
 
 
 def test_trainer_rejects_other_models(tmp_path):
-    with pytest.raises(ValueError, match="MoCoModel or SimCLRModel"):
+    with pytest.raises(ValueError, match="needs a contrastive model .a ContrastivePreTrainedModel.*got Linear"):
         ContrastiveTrainer(model=torch.nn.Linear(2, 2), args=args(tmp_path))
 
 
