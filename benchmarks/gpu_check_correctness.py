@@ -37,7 +37,7 @@ from hf_contrast import (
     grad_cache_step,
     nt_xent_logits,
 )
-from hf_contrast import grad_cache as grad_cache_module
+from hf_contrast.trainer import grad_cache as grad_cache_module
 
 TINY = dict(projection_hidden_dim=32, projection_dim=16, image_size=32)
 

@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from hf_contrast import SimCLRConfig, SimCLRModel, grad_cache_step, peak_memory_bytes
-from hf_contrast.grad_cache import batch_norm_layers
+from hf_contrast.trainer.grad_cache import batch_norm_layers
 
 
 def nbytes(tensors) -> int:

@@ -3,7 +3,6 @@
 from transformers import AutoConfig, AutoModel
 
 from .backbone import ProjectionHead, create_backbone
-from .checkpointing import CheckpointError, check_checkpoint, last_complete_checkpoint
 from .configuration import ContrastiveConfig, MoCoConfig, MoCoV3Config, SimCLRConfig
 from .corpus import false_negative_estimate
 from .data import (
@@ -15,10 +14,8 @@ from .data import (
     two_view_dataset,
 )
 from .device_augment import DeviceAugmentation
-from .diagnostics import alignment, key_consistency, parameter_drift, uniformity
 from .evaluation import extract_features, knn_accuracy, knn_top1
 from .export import export_encoder
-from .grad_cache import grad_cache_step
 from .hub import HubPushError, push_encoder_to_hub
 from .losses import (
     debiased_contrastive_loss,
@@ -31,27 +28,35 @@ from .losses import (
     nt_xent_loss,
 )
 from .memory_probe import ActivationProbe, peak_memory_bytes, probe_activation_memory
-from .metrics import ContrastiveMetrics
 from .model_card import EncoderCardData
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .modeling_moco import MoCoModel
 from .modeling_mocov3 import MoCoV3Model
 from .modeling_simclr import SimCLRModel
 from .momentum import ema_update_, momentum_at
-from .monitors import (
+from .negatives import negatives_per_anchor
+from .preflight import ShardError, UnreadableImageError, check_images, check_shards
+from .queue import NegativeQueue
+from .shards import write_shards
+from .streaming import StreamingError, StreamingTwoViewDataset, streaming_two_view_dataset
+from .trainer import (
+    ContrastiveTrainer,
+    ContrastiveTrainingArguments,
+    MomentumCallback,
+    NonFiniteLossError,
+)
+from .trainer.checkpointing import CheckpointError, check_checkpoint, last_complete_checkpoint
+from .trainer.diagnostics import alignment, key_consistency, parameter_drift, uniformity
+from .trainer.grad_cache import grad_cache_step
+from .trainer.metrics import ContrastiveMetrics
+from .trainer.monitors import (
     FalseNegativeMonitor,
     KNNMonitor,
     QueueConsistencyMonitor,
     RepresentationMonitor,
     TrainingMonitor,
 )
-from .negatives import negatives_per_anchor
-from .preflight import ShardError, UnreadableImageError, check_images, check_shards
-from .queue import NegativeQueue
-from .shards import write_shards
-from .streaming import StreamingError, StreamingTwoViewDataset, streaming_two_view_dataset
-from .throughput import ThroughputMeter, summarize_throughput
-from .trainer import ContrastiveTrainer, ContrastiveTrainingArguments, MomentumCallback, NonFiniteLossError
+from .trainer.throughput import ThroughputMeter, summarize_throughput
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)
 AutoConfig.register(SimCLRConfig.model_type, SimCLRConfig, exist_ok=True)

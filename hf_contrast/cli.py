@@ -10,7 +10,7 @@ import torch
 from transformers import HfArgumentParser
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .checkpointing import previous_run
+from .trainer.checkpointing import previous_run
 
 
 def make_parser(dataclass_types) -> HfArgumentParser:

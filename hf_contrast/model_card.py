@@ -22,7 +22,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .throughput import summarize_throughput
+from .trainer.throughput import summarize_throughput
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class EncoderCardData:
         steps, epochs: optimizer steps and epochs trained.
         images_per_second, data_wait_fraction: training throughput of all processes together, and the
             share of time spent waiting for data (default: the mean of the logged windows after the
-            first, see :func:`hf_contrast.throughput.summarize_throughput`).
+            first, see :func:`hf_contrast.trainer.throughput.summarize_throughput`).
         skipped_samples: unreadable training images replaced by the next readable one (``skip_bad_samples``;
             default: the last ``skipped_samples`` in ``log_history``).
         knn_top1: kNN top-1 of the exported encoder (default: the last ``knn_top1`` in ``log_history``).

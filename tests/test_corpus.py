@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hf_contrast.corpus import false_negative_estimate
+from hf_contrast.trainer.checks import warn_narrow_corpus
 
 spec = importlib.util.spec_from_file_location("training_plan_corpus", Path(__file__).parents[1] / "training" / "plan.py")
 plan = sys.modules["training_plan_corpus"] = importlib.util.module_from_spec(spec)
@@ -82,7 +83,7 @@ def test_trainer_warns_on_a_narrow_corpus(digits, caplog, tmp_path):
     trainer = ContrastiveTrainer(model=model, args=args,
                                  train_dataset=two_view_dataset(digits["train"], TwoViewAugmentation.small_images(32)))
     with caplog.at_level(logging.WARNING, logger="hf_contrast.trainer"):
-        trainer._warn_narrow_corpus()
+        warn_narrow_corpus(trainer)
     text = caplog.text
     assert "51.2% of the 4,000 images" in text and "probability 13.1%" in text and "about 205 negatives" in text
     assert text.rstrip().endswith("256 gave kNN 0.806 and 4,096 gave 0.768).") and "Try queue_size=565:" in text
@@ -90,7 +91,7 @@ def test_trainer_warns_on_a_narrow_corpus(digits, caplog, tmp_path):
     caplog.clear()
     model.config.symmetric_loss = True  # both views enter the queue: it spans 1,024 images
     with caplog.at_level(logging.WARNING, logger="hf_contrast.trainer"):
-        trainer._warn_narrow_corpus()
+        warn_narrow_corpus(trainer)
     assert "probability 3.3%" in caplog.text and "both views are queued; about 0.07 such keys" in caplog.text
     assert "Try queue_size=1131:" in caplog.text  # the queue spans K/2 images: twice the keys for the same budget
 

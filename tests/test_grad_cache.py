@@ -20,7 +20,7 @@ from hf_contrast import (
     SimCLRModel,
     nt_xent_logits,
 )
-from hf_contrast.grad_cache import grad_cache_step
+from hf_contrast.trainer.grad_cache import grad_cache_step
 
 HERE = Path(__file__).parent / "distributed"
 
@@ -244,7 +244,7 @@ def test_rng_replay_uses_the_inputs_device_not_the_current_one(monkeypatch):
     """Inputs on ``cuda:1`` while the current device is ``cuda:0``: the replayed generator must be cuda:1's.
     No machine here has two accelerators, so the device module is a stand-in that keeps one state per
     device index (the only fake in this file; the CUDA path itself runs in benchmarks/gpu_check.py)."""
-    from hf_contrast.grad_cache import RngState
+    from hf_contrast.trainer.grad_cache import RngState
 
     class TwoDevices:
         states = {0: torch.tensor([0]), 1: torch.tensor([1])}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_contrast.optim import LARS
+from hf_contrast.trainer.optim import LARS
 
 
 def reference_steps(w0, grads, lr, wd, momentum, eta):

@@ -98,7 +98,7 @@ def test_checkpoint_missing_queue_or_key_encoder_is_refused(reference, tmp_path)
 def test_rotation_keeps_the_last_complete_checkpoint_until_the_new_one_is_marked(tmp_path, monkeypatch):
     """save_total_limit=1: a death after transformers wrote checkpoint-6 but before it was marked
     complete must leave checkpoint-3 (complete) on disk to resume from."""
-    import hf_contrast.trainer as trainer_module
+    import hf_contrast.trainer.contrastive_trainer as trainer_module
     from hf_contrast import last_complete_checkpoint
 
     real_mark = trainer_module.mark_complete

@@ -21,7 +21,7 @@ from hf_contrast import (
     SimCLRConfig,
     SimCLRModel,
 )
-from hf_contrast.throughput import ThroughputMeter
+from hf_contrast.trainer.throughput import ThroughputMeter
 
 
 def tensor_dataset(n=64, nan_at=None):
@@ -152,7 +152,7 @@ def test_throughput_is_in_every_training_log(tmp_path):
 
 def test_throughput_meter_counts_images_and_waiting_per_window(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("hf_contrast.throughput.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("hf_contrast.trainer.throughput.time.perf_counter", lambda: clock[0])
     meter = ThroughputMeter()
     meter.reset()
     for _ in range(5):  # 5 batches of 32 images: 0.1 s waiting for each, 0.3 s of compute

@@ -18,8 +18,8 @@ import tomllib
 import transformers
 
 from hf_contrast import ContrastiveTrainer, ContrastiveTrainingArguments, MoCoModel, two_view_dataset
-from hf_contrast.checkpointing import COMPLETE_MARKER, CheckpointError
 from hf_contrast.configuration import MoCoConfig
+from hf_contrast.trainer.checkpointing import COMPLETE_MARKER, CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
 # tiny and quick: a 0.37 M-parameter resnet at 32 px, 32 training digits, 100 held-out ones for the kNN
@@ -46,7 +46,7 @@ def fake_checkpoint(folder: Path, complete: bool = True) -> Path:
 # --- 1. resume as documented -------------------------------------------------------------------------------
 
 def test_resume_accepts_true_last_and_a_path(tmp_path):
-    from hf_contrast.checkpointing import resume_target
+    from hf_contrast.trainer.checkpointing import resume_target
 
     last = fake_checkpoint(tmp_path / "checkpoint-7")
     fake_checkpoint(tmp_path / "checkpoint-9", complete=False)  # half-written: never picked

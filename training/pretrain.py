@@ -31,7 +31,7 @@ for it, each applied only where the flag is not given on the command line:
 * ViT-style backbones (a patch embedding): AdamW, lr 1.5e-4 x global batch / 256, weight decay 0.1,
   warmup 40/300 of training, cosine decay (the official ViT recipe); ``img_size`` follows
   ``--image_size``.
-* other backbones with ``--lars``: LARS (``hf_contrast.optim.LARS``, MoCo v3's), lr 0.6 x global
+* other backbones with ``--lars``: LARS (``hf_contrast.trainer.optim.LARS``, MoCo v3's), lr 0.6 x global
   batch / 256, weight decay 1e-6, warmup 10/100 of training, cosine (the official ResNet-50 recipe).
   Without ``--lars`` they keep this script's SGD defaults.
 """
@@ -66,7 +66,6 @@ from hf_contrast import (
     knn_accuracy,
     push_encoder_to_hub,
 )
-from hf_contrast.checkpointing import RESUME_HELP, resume_target
 from hf_contrast.cli import (
     check_output_dir,
     check_planned_steps,
@@ -87,11 +86,12 @@ from hf_contrast.data import (
 from hf_contrast.evaluation import recalibrate_batch_norm
 from hf_contrast.hub import check_can_push
 from hf_contrast.model_card import default_template_text
-from hf_contrast.optim import LARS
 from hf_contrast.preflight import check_images
 from hf_contrast.shards import read_shard_sizes, resolve_shards
 from hf_contrast.streaming import StreamingTwoViewDataset
-from hf_contrast.throughput import summarize_throughput
+from hf_contrast.trainer.checkpointing import RESUME_HELP, resume_target
+from hf_contrast.trainer.optim import LARS
+from hf_contrast.trainer.throughput import summarize_throughput
 
 logger = logging.getLogger("pretrain")
 

@@ -26,7 +26,7 @@ from hf_contrast import (
     SimCLRModel,
     distributed,
 )
-from hf_contrast.grad_cache import grad_cache_step
+from hf_contrast.trainer.grad_cache import grad_cache_step
 
 TINY = dict(projection_hidden_dim=32, projection_dim=16, image_size=32)
 N_GLOBAL = 8

@@ -8,7 +8,7 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from . import distributed
+from .. import distributed
 
 
 def batch_size_of(batch: dict) -> int:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from . import distributed
+from .. import distributed
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -2,7 +2,7 @@
 keys are with today's key encoder, how far the key encoder trails the query encoder, and the health
 of the embedding distribution (alignment and uniformity, Wang & Isola 2020).
 
-The training-time callbacks that compute them every N steps live in :mod:`hf_contrast.monitors`.
+The training-time callbacks that compute them every N steps live in :mod:`hf_contrast.trainer.monitors`.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import distributed
-from .losses import nt_xent_logits
-from .modeling_base import ContrastiveOutput
+from .. import distributed
+from ..losses import nt_xent_logits
+from ..modeling_base import ContrastiveOutput
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

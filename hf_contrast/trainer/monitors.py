@@ -30,11 +30,11 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
-from . import distributed
-from .backbone import embedding_std
+from .. import distributed
+from ..backbone import embedding_std
+from ..evaluation import extract_features, knn_top1
+from ..false_negatives import support_scores, top_k_false_negatives
 from .diagnostics import alignment, key_consistency, parameter_drift, uniformity
-from .evaluation import extract_features, knn_top1
-from .false_negatives import support_scores, top_k_false_negatives
 
 
 def _check_positive_int(value, field: str) -> None:

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import copy
 import functools
-import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
 
-import datasets
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 
-from . import distributed
+from .. import distributed
+from ..device_augment import DeviceAugmentation
+from ..modeling_base import ContrastivePreTrainedModel
+from ..streaming import StreamingTwoViewDataset
+from .arguments import ContrastiveTrainingArguments
+from .callbacks import EpochCallback, MomentumCallback, StreamEpochCallback
 from .checkpointing import (
     RESUME_LAST,
     CheckpointError,
@@ -30,163 +31,16 @@ from .checkpointing import (
     save_rank_buffers,
     save_stream_state,
 )
-from .corpus import false_negative_estimate
-from .device_augment import DeviceAugmentation
+from .checks import CollapseDetector, log_setup, validate_setup, warn_about_negatives
 from .grad_cache import grad_cache_step
-from .hub import push_encoder_to_hub
-from .loss_guard import NonFiniteLossError, NonFiniteLossGuard
+from .loss_guard import NonFiniteLossGuard
 from .metrics import ContrastiveMetrics
-from .modeling_base import ContrastivePreTrainedModel
-from .momentum import momentum_at
-from .negatives import negatives_per_anchor
-from .streaming import StreamingTwoViewDataset
 from .throughput import ThroughputMeter, batch_size_of
 
-logger = logging.get_logger(__name__)
+logger = logging.get_logger("hf_contrast.trainer")  # one name for the package: setup lines, warnings, errors
 
 
-__all__ = ["ContrastiveTrainer", "ContrastiveTrainingArguments", "MomentumCallback", "EpochCallback",
-           "NonFiniteLossError"]
-
-
-@dataclass
-class ContrastiveTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` with defaults right for contrastive pretraining.
-
-    Differences from transformers' defaults: ``remove_unused_columns=False`` (the two views are
-    made on the fly by ``with_transform``), ``dataloader_drop_last=True`` (a short last batch would
-    change the negative count and break cross-process gathers), ``ddp_broadcast_buffers=False``
-    (every process keeps an identical queue by enqueuing gathered keys; broadcasting 32 MiB of queue
-    each step would be waste), ``ddp_find_unused_parameters=False`` (every query parameter gets a
-    gradient; the key side is frozen), ``logging_steps=10``, ``save_safetensors`` only,
-    ``logging_nan_inf_filter=False`` (its check reads the loss on the host at every step; the trainer's
-    own guard raises on a non-finite loss at the next logging step, see
-    :class:`~hf_contrast.loss_guard.NonFiniteLossGuard`).
-
-    Args:
-        channels_last: keep the model and the views in ``torch.channels_last`` (NHWC), where cuDNN's
-            convolutions and BatchNorm run without layout conversions. ``None`` (default): on for a CUDA
-            device and a convolutional backbone (not a ViT); ``True`` forces it, ``False`` turns it off.
-        collapse_warning: warn when the loss sits at the no-signal value ``ln(K + 1)`` or the
-            normalised embeddings collapse onto one direction.
-        device_augmentation: with a :class:`~hf_contrast.streaming.StreamingTwoViewDataset` or a
-            :class:`~hf_contrast.TwoViewDataset`, the workers only decode and resize to ``uint8`` and draw
-            each view's parameters; both views are made in the training step on the model's device
-            (:class:`~hf_contrast.DeviceAugmentation`, a few batched kernels).
-
-    ``accelerator_config`` defaults to ``{"non_blocking": True}`` on CUDA: batches are copied to the device
-    from pinned memory without waiting for it (a blocking copy is a host-device sync in every step).
-    """
-
-    output_dir: str | None = field(default="outputs", metadata={"help": "Where checkpoints and the final model go."})
-    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep pixel_values_2 (made by with_transform)."})
-    dataloader_drop_last: bool = field(default=True, metadata={"help": "Constant batch size: constant negatives."})
-    ddp_broadcast_buffers: bool = field(default=False, metadata={"help": "Queues stay equal by gathering keys."})
-    ddp_find_unused_parameters: bool | None = field(
-        default=False, metadata={"help": "Every query parameter is used; the key side has no gradient."})
-    logging_nan_inf_filter: bool = field(default=False, metadata={
-        "help": "Off: its per-step host read of the loss is a device sync; non-finite losses raise instead."})
-    channels_last: bool | None = field(default=None, metadata={
-        "help": "Model and views in channels_last (NHWC). Default: on for CUDA with a convolutional backbone."})
-    logging_steps: float = field(default=10, metadata={"help": "Log contrastive metrics every N steps."})
-    collapse_warning: bool = field(default=True, metadata={"help": "Warn on the collapse / no-signal signature."})
-    device_augmentation: bool = field(default=False, metadata={
-        "help": "Workers only decode and resize; the views are made batched on the model's device."})
-
-    def __post_init__(self):
-        cuda = torch.cuda.is_available() and not self.use_cpu
-        if self.accelerator_config is None and cuda:
-            self.accelerator_config = {"non_blocking": True}  # pinned batches copied without a host-device sync
-        if not cuda:
-            self.dataloader_pin_memory = False  # pinning without an accelerator only warns
-        super().__post_init__()
-
-
-class MomentumCallback(TrainerCallback):
-    """Applies MoCo's EMA exactly once per optimizer step, with the momentum of the schedule.
-
-    ``on_optimizer_step`` fires once per real optimizer step (after the last micro-batch of a
-    gradient accumulation window), before ``global_step`` is incremented, so ``state.global_step``
-    is the 0-based index of the step just taken. A step the fp16 grad scaler skipped is not an
-    update of the query encoder, so the key encoder does not move either.
-
-    A skip is seen two ways: accelerate's ``step_was_skipped`` (set when the scaler did not call the
-    optimizer), and a drop of the scaler's scale across the step. The second is needed for fused
-    optimizers (Trainer's default ``adamw_torch_fused``): the scaler always calls them and they skip
-    the update themselves, so ``step_was_skipped`` stays False. Reading the scale is a host sync, paid
-    only when a grad scaler is enabled (fp16).
-
-    MoCo v3 (:class:`~hf_contrast.MoCoV3Model`): the official code updates inside ``forward``, at the
-    start of iteration ``i``, with ``m_i``; here the update after optimizer step ``i`` uses ``m_{i+1}``
-    (``model.momentum_schedule_offset = 1``), so every forward sees the same momentum encoder as
-    there. The official no-op update of iteration 0 (momentum side still equal to the query side) is
-    skipped, and the update after the last step uses ``m = 1`` (cosine): it changes nothing.
-    """
-
-    def __init__(self):
-        self.last_momentum: float | None = None
-        self._scale: float | None = None
-
-    @staticmethod
-    def _grad_scale(optimizer) -> float | None:
-        scaler = getattr(optimizer, "scaler", None)
-        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
-
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        self._scale = self._grad_scale(optimizer)
-
-    def _step_was_skipped(self, optimizer) -> bool:
-        scale, before = self._grad_scale(optimizer), self._scale
-        self._scale = scale
-        shrunk = scale is not None and before is not None and scale < before  # the scaler backs off only on inf
-        return bool(getattr(optimizer, "step_was_skipped", False)) or shrunk
-
-    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self._step_was_skipped(optimizer):
-            return
-        cfg = model.config
-        step = state.global_step + getattr(model, "momentum_schedule_offset", 0)
-        self.last_momentum = momentum_at(step, state.max_steps, cfg.momentum, cfg.momentum_schedule)
-        model.momentum_update(self.last_momentum)
-
-
-class EpochCallback(TrainerCallback):
-    """Tells the training dataset which epoch starts, on every path.
-
-    Accelerate's ``DataLoaderShard.set_epoch`` forwards the epoch to the dataset only when the
-    sampler has no ``set_epoch`` of its own, which is never the case under DDP
-    (``BatchSamplerShard``) or on resume (``SkipBatchSampler``): a resumed run would augment with the
-    seeds of epoch 0. ``on_epoch_begin`` runs before the epoch's dataloader iterator is created, and
-    ``state.epoch`` is then the (fractional, on resume) epoch reached so far.
-    """
-
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        dataset = self.trainer.train_dataset
-        if hasattr(dataset, "set_epoch"):
-            dataset.set_epoch(math.floor((state.epoch or 0.0) + 1e-6))
-
-
-class StreamEpochCallback(TrainerCallback):
-    """``state.epoch`` of a streamed run: the stream's own position (epoch + batches taken / batches per epoch).
-
-    transformers counts an epoch as ``max_steps`` when the dataset has no length, so a 20-step run over a
-    stream of 4,000 images logged ``epoch: 1`` after 640 of them; the logs, the checkpoints' trainer state and
-    the model card read ``state.epoch``, set here after every step.
-    """
-
-    def __init__(self, stream):
-        self.stream = stream
-        self._per_epoch: dict[int, int] = {}
-
-    def on_step_end(self, args, state, control, **kwargs):
-        position = self.stream.state_dict()
-        epoch = position["epoch"]
-        if epoch not in self._per_epoch:  # a shard plan per epoch: computed once
-            self._per_epoch[epoch] = self.stream.batches_per_epoch(epoch)
-        state.epoch = epoch + position["batches"] / self._per_epoch[epoch]
+__all__ = ["ContrastiveTrainer"]
 
 
 class ContrastiveTrainer(Trainer):
@@ -232,80 +86,14 @@ class ContrastiveTrainer(Trainer):
         self.loss_guard = NonFiniteLossGuard()
         self.throughput = ThroughputMeter()
         self.add_callback(self.throughput)
-        self._collapse_windows = 0
+        self.collapse = CollapseDetector()
         self.channels_last = self._use_channels_last(model)
         if self.channels_last:  # parameters keep their identity: optimizer, EMA pairs and names are unchanged
             model.to(memory_format=torch.channels_last)
-        self._validate_setup()
-        if model.in_batch_negatives and args.world_size > 1 and not getattr(model.config, "gather_distributed", True):
-            as_gathered = copy.copy(model.config)
-            as_gathered.gather_distributed = True
-            gathered = negatives_per_anchor(as_gathered, args.per_device_train_batch_size, args.world_size)
-            logger.warning(
-                f"gather_distributed=False on {args.world_size} processes: each anchor sees only its own device's "
-                f"{self.negatives_per_anchor()} negatives, not the {gathered} of the global batch."
-            )
-        if model.in_batch_negatives and not model.has_queue and args.gradient_accumulation_steps > 1:
-            logger.warning(
-                f"gradient_accumulation_steps={args.gradient_accumulation_steps} does not add negatives: "
-                "the loss is computed inside each micro-batch, so each anchor still has "
-                f"{self.negatives_per_anchor()} negatives. Accumulation only averages gradients over more images."
-            )
+        validate_setup(self)  # the method's checks, the data, the step count: before any work
+        warn_about_negatives(self)
 
-    def _validate_setup(self) -> None:
-        """Clear errors before any work is wasted: no negatives, a queue the batch overwrites, bad data."""
-        a = self.args
-        self.model.check_training_setup(a.per_device_train_batch_size, a.world_size)  # the method's own checks
-        streamed = isinstance(self.train_dataset, StreamingTwoViewDataset)
-        device_views = getattr(a, "device_augmentation", False) and not streamed
-        if device_views and not hasattr(self.train_dataset, "configure_device_augmentation"):
-            raise ValueError("device_augmentation=True needs a TwoViewDataset (hf_contrast.two_view_dataset) or a "
-                             "streamed StreamingTwoViewDataset: their workers ship the uint8 images and view "
-                             f"parameters the device augments, got {type(self.train_dataset).__name__}")
-        if device_views:
-            self.train_dataset.configure_device_augmentation()  # items: images (uint8) + view_params
-        if streamed:
-            self._configure_stream()  # too few shards for ranks x workers: a clear error before training
-        elif (self.train_dataset is not None and not device_views
-              and not isinstance(self.train_dataset, torch.utils.data.IterableDataset)):
-            if hasattr(self.train_dataset, "__len__") and len(self.train_dataset) == 0:
-                raise ValueError("train_dataset is empty: there is nothing to pretrain on")
-            if hasattr(self.train_dataset, "__getitem__"):
-                item = self.train_dataset[0]
-                missing = {"pixel_values", "pixel_values_2"} - set(item)
-                if missing:
-                    raise ValueError(
-                        f"train_dataset items must hold 'pixel_values' and 'pixel_values_2' tensors; item 0 lacks "
-                        f"{sorted(missing)} (it has {sorted(item)}). Wrap an image dataset with "
-                        "hf_contrast.two_view_dataset(dataset, TwoViewAugmentation(...))."
-                    )
-        if not streamed:
-            self._check_steps()
-
-    def _check_steps(self) -> None:
-        """Refuse a map-style run that would take 0 optimizer steps (transformers would train nothing and
-        report success): fewer samples than one global batch with ``dataloader_drop_last``, or 0 epochs."""
-        a, data = self.args, self.train_dataset
-        if data is None or isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__len__"):
-            return
-        n, b, w, g = len(data), a.per_device_train_batch_size, a.world_size, a.gradient_accumulation_steps
-        batches = n // (b * w) if a.dataloader_drop_last else math.ceil(n / (b * w))  # per process and epoch
-        steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * math.ceil(batches / g))  # as Trainer
-        if batches >= 1 and steps >= 1:
-            return
-        setup = (f"train_dataset has {n} samples; per_device_train_batch_size={b} x world size {w} = {b * w} images "
-                 f"per batch with dataloader_drop_last={a.dataloader_drop_last} gives {batches} batches per epoch; "
-                 f"gradient_accumulation_steps={g}, num_train_epochs={a.num_train_epochs}, max_steps={a.max_steps}")
-        if batches < 1:
-            fix = (f"use a per-device batch of at most {max(n // w, 1)} (pretrain.py: --per_device_train_batch_size), "
-                   "fewer processes or more images (dataloader_drop_last=False would train on a short batch, with "
-                   "fewer negatives)")
-        else:
-            fix = "set num_train_epochs > 0 or max_steps > 0"
-        raise ValueError(f"This run would take 0 optimizer steps and train nothing: {setup}. Fix: {fix}.")
-
-    # --- streamed data: the library owns the split, the position and the device augmentation ---
-    def _configure_stream(self) -> StreamingTwoViewDataset:
+    def configure_stream(self) -> StreamingTwoViewDataset:
         a = self.args
         return self.train_dataset.configure(a.per_device_train_batch_size, a.process_index, a.world_size,
                                             a.dataloader_num_workers, getattr(a, "device_augmentation", False))
@@ -317,7 +105,7 @@ class ContrastiveTrainer(Trainer):
         if not isinstance(self.train_dataset, StreamingTwoViewDataset):
             return super().get_train_dataloader()
         a = self.args
-        return self._configure_stream().loader(
+        return self.configure_stream().loader(
             pin_memory=a.dataloader_pin_memory and torch.cuda.is_available(),
             prefetch_factor=a.dataloader_prefetch_factor, multiprocessing_context=a.dataloader_multiprocessing_context)
 
@@ -365,7 +153,7 @@ class ContrastiveTrainer(Trainer):
             for folder in incomplete_checkpoints(self.args.output_dir):
                 logger.warning(f"Skipping {folder}: it was not completely written (the process died while saving it)")
         resume_from_checkpoint = resume_target(resume_from_checkpoint, self.args.output_dir)
-        self._log_setup()
+        log_setup(self)
         try:
             with warnings.catch_warnings():
                 # torch >= 2.13 deprecates DDP's broadcast_buffers (transformers passes ddp_broadcast_buffers=False
@@ -422,54 +210,11 @@ class ContrastiveTrainer(Trainer):
             self._num_parameters = self.accelerator.unwrap_model(self.model).num_parameters(exclude_embeddings=True)
         return 6 * inputs[main].numel() * self._num_parameters
 
-    def _log_setup(self) -> None:
-        a = self.args
-        if not a.should_log:  # the main process speaks for all
-            return
-        logger.info(  # INFO: a description, not a problem (pretrain.py's logging shows INFO)
-            f"Contrastive setup: per-device batch {a.per_device_train_batch_size}, world size {a.world_size}, "
-            f"gradient accumulation {a.gradient_accumulation_steps}, global batch "
-            f"{a.per_device_train_batch_size * a.world_size * a.gradient_accumulation_steps}, "
-            f"negatives per anchor {self.negatives_per_anchor()}"
-            + (" (queue; fills during the first steps)" if self.has_queue else "")
-            + " (accumulation adds none)"
-        )
-        self._warn_narrow_corpus()
-
-    def _warn_narrow_corpus(self) -> None:
-        """Warn when the negative pool is a large fraction (>= 10%) of the training set: it then holds
-        earlier keys of the anchor's own image (MoCo) and many of its class (see :mod:`hf_contrast.corpus`)."""
-        dataset = self.train_dataset
-        if not hasattr(dataset, "__len__") or not len(dataset):
-            return
-        pool = self.negatives_per_anchor()
-        cfg = self.accelerator.unwrap_model(self.model).config
-        if self.has_queue:
-            pool = cfg.queue_size  # the queue before any masking (MoCo v3: its in-batch keys come on top)
-        features = getattr(getattr(dataset, "dataset", dataset), "features", None) or {}
-        classes = next((f.num_classes for f in features.values() if isinstance(f, datasets.ClassLabel)), None)
-        model = self.accelerator.unwrap_model(self.model)
-        estimate = false_negative_estimate(pool, len(dataset), classes, queued=self.has_queue,
-                                           keys_per_image=model.queued_views if self.has_queue else 1)
-        if estimate.fraction < 0.1:
-            return
-        remedy = ""
-        if self.has_queue and not getattr(cfg, "exclude_same_instance", False):
-            remedy = ("exclude_same_instance=True masks the own-image keys (it needs items with 'instance_id', as "
-                      "TwoViewDataset gives); ")
-        if getattr(cfg, "false_negatives", None) is None:
-            remedy += "false_negatives='eliminate' cancels likely same-class ones; "
-        size = ""
-        if self.has_queue and estimate.suggested_pool < cfg.queue_size:
-            size = (f" Try queue_size={estimate.suggested_pool}: the largest queue whose own-image probability stays "
-                    f"under {estimate.own_image_budget:.0%} on {len(dataset):,} images (K <= 0.14 N per queued view; "
-                    "on the 4,000 digits 256 gave kNN 0.806 and 4,096 gave 0.768).")
-        logger.warning(f"Narrow corpus: {estimate.describe()}. Every extra negative is another chance of a false "
-                       f"negative: {remedy}a smaller pool may train better.{size}")
-
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
         """Push the query encoder (timm format) with its model card, not the full checkpoint, to
         ``args.hub_model_id``; main process only. ``kwargs`` as :func:`hf_contrast.push_encoder_to_hub`."""
+        from ..hub import push_encoder_to_hub  # the Hub layer builds on the trainer's state: imported on use
+
         return push_encoder_to_hub(self, commit_message=commit_message or "End of training", **kwargs)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
@@ -522,7 +267,7 @@ class ContrastiveTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step; for SimCLR with ``grad_cache_chunk_size`` set, the gradient-cached step.
 
-        The cached step (:func:`~hf_contrast.grad_cache.grad_cache_step`) scales the loss by the
+        The cached step (:func:`~hf_contrast.trainer.grad_cache.grad_cache_step`) scales the loss by the
         micro-batch's accumulation steps as Trainer does, back-propagates it through
         ``accelerator.backward`` (mixed-precision grad scaler), runs the forwards under
         ``compute_loss_context_manager`` (autocast) and lets DDP all-reduce only after the last
@@ -665,25 +410,5 @@ class ContrastiveTrainer(Trainer):
             if self.has_queue:
                 logs["queue_fill"] = int(model.queue_filled) / model.config.queue_size
             if self.args.collapse_warning:
-                self._check_collapse(logs, model.config.projection_dim, getattr(model, "loss_scale", 1.0))
+                self.collapse.check(logs, model.config.projection_dim, model.loss_scale, self.state.global_step)
         super().log(logs, start_time)
-
-    def _check_collapse(self, logs: dict[str, float], dim: int, loss_scale: float = 1.0) -> None:
-        """Warn when the loss is pinned at the no-signal value ln(K + 1) (times MoCo v3's ``4T`` loss
-        scale) or the embeddings collapsed."""
-        no_signal = math.log(logs["num_negatives"] + 1) * loss_scale
-        pinned = abs(logs["loss"] - no_signal) < 0.02 * no_signal and logs["num_negatives"] > 0
-        collapsed = logs["embedding_std"] < 0.2 / math.sqrt(dim)
-        self._collapse_windows = self._collapse_windows + 1 if (pinned or collapsed) else 0
-        if self._collapse_windows == 3:  # three logging windows in a row: not a start-up transient
-            what = (
-                f"the loss {logs['loss']:.3f} sits at {'' if loss_scale == 1 else f'{loss_scale:g}·'}ln(K+1) = {no_signal:.3f}, the value of a model that cannot tell "
-                "its positive from the negatives" if pinned else
-                f"the normalised embeddings collapsed onto one direction (per-dimension std "
-                f"{logs['embedding_std']:.4f}, healthy is about {1 / math.sqrt(dim):.3f})"
-            )
-            logger.warning(
-                f"Step {self.state.global_step}: no learning signal: {what}. Usual causes: learning rate too high, "
-                "a projection head without BatchNorm on small data, momentum too low (MoCo), a queue larger than "
-                "the dataset, or augmentations too weak or too strong."
-            )

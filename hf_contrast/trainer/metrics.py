@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import distributed
-from .modeling_base import ContrastiveOutput
+from .. import distributed
+from ..modeling_base import ContrastiveOutput
 
 
 class ContrastiveMetrics:
