@@ -13,7 +13,7 @@ from . import distributed
 from .backbone import build_encoder_and_head
 from .configuration import MoCoConfig
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
-from .losses import _fp32_normalize, _no_autocast, contrastive_loss, info_nce_logits
+from .losses import _fp32_normalize, _no_autocast, _with_negatives, contrastive_loss, mask_negatives_
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .queue import NegativeQueue, upgrade_legacy_queue_state
 from .split_batch_norm import convert_split_batch_norm, split_batch_norm
@@ -173,79 +173,92 @@ class MoCoModel(ContrastivePreTrainedModel):
             raise ValueError("MoCoModel.forward needs two views: pass pixel_values and pixel_values_2")
         queue = (self.queue.keys, self.queue.instance_ids, self.queue.valid())  # (K, D), (K,), (K,) the whole buffer
         stand_in = (self.queue.filled == 0) if self.training else None  # 0-d bool: in-batch negatives on
-        q1 = self._query(pixel_values)  # (B, D)
-        k2 = self.encode_keys(pixel_values_2)  # (B, D)
-        halves = [self._contrast(q1, k2, *queue, instance_ids, stand_in)]
-        embeddings, keys, ids = q1, k2, instance_ids
-        if self.config.symmetric_loss:
-            q2 = self._query(pixel_values_2)
-            k1 = self.encode_keys(pixel_values)
-            halves.append(self._contrast(q2, k1, *queue, instance_ids, stand_in))
-            embeddings, keys = torch.cat([q1, q2]), torch.cat([k2, k1])  # (2B, D)
+        q, k, ids = self._query(pixel_values), self.encode_keys(pixel_values_2), instance_ids  # (B, D) each
+        halves = 1
+        if self.config.symmetric_loss:  # both halves' rows in one (2B, 1 + K) buffer of logits
+            q2, k1 = self._query(pixel_values_2), self.encode_keys(pixel_values)
+            q, k, halves = torch.cat([q, q2]), torch.cat([k, k1]), 2  # (2B, D): q1 with k2, then q2 with k1
             ids = None if instance_ids is None else torch.cat([instance_ids, instance_ids])
-        logits, labels, positive_mask, counts, kept, removed = (
-            None if any(h[i] is None for h in halves) else torch.cat([h[i] for h in halves]) for i in range(6))
+        logits, labels, positive_mask, counts, kept, removed = self._contrast(q, k, *queue, ids, stand_in, halves)
         loss = None
         if return_loss:
             loss = contrastive_loss(logits, labels, self.config.temperature, self.config.tau_plus, positive_mask)
         return ContrastiveOutput(
-            loss=loss, logits=logits, labels=labels, embeddings=embeddings, queue_keys=keys,
+            loss=loss, logits=logits, labels=labels, embeddings=q, queue_keys=k,
             num_negatives=counts.float().mean(), negative_counts=kept,
             queue_instance_ids=ids, false_negatives_removed=removed,
         )
 
-    def _logits(self, q, k, negatives, valid, stand_in):
-        """Logits ``(B, 1 + K)`` and labels of :func:`~hf_contrast.losses.info_nce_logits`; with
-        ``stand_in`` (a 0-d bool, training) the in-batch block ``q @ k.T / T`` replaces columns
-        ``1 .. B`` where ``stand_in`` is True and off the diagonal (the queue is then empty: those
-        columns are -inf), padded with -inf columns to ``1 + B`` when ``K < B``. Returns
-        ``(logits, labels, in_batch_masked (B, B) or None)``."""
-        t = self.config.temperature
-        logits, labels = info_nce_logits(q, k, negatives, t, valid)  # (B, 1 + K), (B,)
-        if stand_in is None:
-            return logits, labels, None
-        n = q.shape[0]
-        if negatives.shape[0] < n:  # a queue smaller than the batch: room for the in-batch block
-            logits = F.pad(logits, (0, n - negatives.shape[0]), value=float("-inf"))  # (B, 1 + B)
+    def _logits(self, q, k, negatives, valid, ids, negative_ids, stand_in, halves):
+        """Logits ``(A, 1 + K)`` and labels of :func:`~hf_contrast.losses.info_nce_logits` for ``A = halves * B``
+        queries ``q`` and keys ``k`` ``(A, D)``, in one buffer, with the unused slots and (``ids`` ``(A,)`` not
+        None) the queued keys of a query's own image at ``-inf`` in place. With ``stand_in`` (a 0-d bool,
+        training) the in-batch block ``q @ k.T / T`` of each half (its ``B`` queries against its ``B`` keys)
+        takes columns ``1 .. B`` where ``stand_in`` is True (the queue is then empty: those columns are
+        -inf), its diagonal and the keys of the query's own image at -inf, padded with -inf columns to
+        ``1 + B`` when ``K < B``. Returns ``(logits, labels, matches (A,) or None, own (halves, B, B) or
+        None)``: the same-instance queued keys masked per row, and the in-batch keys masked per half."""
+        t, a, size = self.config.temperature, q.shape[0], negatives.shape[0]
+        n = a // halves
         with _no_autocast(q):
-            in_batch = _fp32_normalize(q) @ _fp32_normalize(k).T / t  # (B, B)
-        masked = torch.eye(n, dtype=torch.bool, device=q.device) | ~stand_in  # (B, B) the positive; all once queued
-        logits[:, 1 : 1 + n] = torch.where(masked, logits[:, 1 : 1 + n], in_batch)  # (B, B) block of the logits
-        return logits, labels, masked
+            q_t = _fp32_normalize(q) / t  # (A, D) scaled by 1/T
+            k_n = _fp32_normalize(k)  # (A, D)
+            l_pos = (q_t * k_n).sum(1, keepdim=True)  # (A, 1)
+            if stand_in is None:
+                logits, matches = _with_negatives(q_t, l_pos, negatives, valid, ids, negative_ids)  # (A, 1 + K)
+                return logits, torch.zeros(a, dtype=torch.long, device=q.device), matches, None
+            # the first min(B, K) queue columns in their own matmul, so the in-batch block can replace them
+            # without a copy or a slice of the (A, K) logits in the backward
+            head = min(n, size)
+            neg = _fp32_normalize(negatives)  # (K, D)
+            l_head, l_tail = q_t @ neg[:head].T, q_t @ neg[head:].T  # (A, head), (A, K - head)
+            m_head = mask_negatives_(l_head, valid[:head], ids, None if ids is None else negative_ids[:head])
+            m_tail = mask_negatives_(l_tail, valid[head:], ids, None if ids is None else negative_ids[head:])
+            matches = None if ids is None else m_head + m_tail  # (A,)
+            in_batch = torch.bmm(q_t.view(halves, n, -1), k_n.view(halves, n, -1).transpose(1, 2))  # (H, B, B)
+            own = torch.eye(n, dtype=torch.bool, device=q.device).expand(halves, n, n)  # (H, B, B) the positive
+            if ids is not None:  # and other crops of the query's image
+                own = own | same_instance_mask(ids[:n], ids[:n])  # the halves share their ids
+            with torch.no_grad():
+                in_batch.masked_fill_(own, float("-inf"))
+            if head < n:  # a queue smaller than the batch: room for the in-batch block
+                l_head = torch.cat([l_head, l_head.new_full((a, n - head), float("-inf"))], dim=1)  # (A, B)
+            block = torch.where(stand_in, in_batch.reshape(a, n), l_head)  # (A, B)
+            logits = torch.cat([l_pos, block, l_tail], dim=1)  # (A, 1 + max(K, B))
+        return logits, torch.zeros(a, dtype=torch.long, device=q.device), matches, own
 
-    def _contrast(self, q, k, negatives, negative_ids, valid, instance_ids, stand_in=None):
-        """Logits of one query/key pairing against the whole queue buffer ``negatives (K, D)``, its ids
-        ``(K,)`` and validity ``valid (K,)``, with the masks of the config; with ``stand_in`` (0-d bool,
-        training) the other images' keys of the step in the first ``B`` negative columns while it is
-        True (see the class docstring and :meth:`_logits`).
+    def _contrast(self, q, k, negatives, negative_ids, valid, instance_ids, stand_in=None, halves=1):
+        """Logits of the query/key pairings ``q``, ``k`` ``(A, D)`` (``halves`` blocks of ``B`` rows) against
+        the whole queue buffer ``negatives (K, D)``, its ids ``(K,)`` and validity ``valid (K,)``, with the
+        masks of the config; with ``stand_in`` (0-d bool, training) the other images' keys of the step in
+        the first ``B`` negative columns while it is True (see the class docstring and :meth:`_logits`).
 
-        Returns ``(logits (B, 1 + K), labels (B,), positive_mask, negatives (B,), kept (B,), removed (B,))``
+        Returns ``(logits (A, 1 + K), labels (A,), positive_mask, negatives (A,), kept (A,), removed (A,))``
         (see :func:`~hf_contrast.false_negatives.cancel_negatives`); unused queue slots and masked
         in-batch keys are ``-inf`` and not counted. ``positive_mask`` and ``removed`` are None without
         false-negative cancellation."""
-        logits, labels, in_batch_masked = self._logits(q, k, negatives, valid, stand_in)
-        n, width = q.shape[0], logits.shape[1] - 1  # width: max(K, B) in training with K < B, else K
         exclude = self.config.exclude_same_instance and instance_ids is not None
-        if not exclude and self.config.false_negatives is None:  # only the unused slots are masked
-            counts = valid.sum()  # 0-d
-            if stand_in is not None:
-                counts = counts + stand_in * (n - 1)  # the other images' keys while the queue is empty
-            counts = counts.expand(n)  # (B,) a view of the 0-d count
+        ids = instance_ids.to(negative_ids.device) if exclude else None  # (A,)
+        logits, labels, matches, own = self._logits(q, k, negatives, valid, ids, negative_ids, stand_in, halves)
+        a, size, width = q.shape[0], negatives.shape[0], logits.shape[1] - 1  # width: max(K, B) in training
+        n = a // halves
+        if self.config.false_negatives is None:  # counted from the masks written into the logits
+            counts = valid.sum() if matches is None else valid.sum() - matches  # () or (A,)
+            if stand_in is not None:  # the other images' keys while the queue is empty (then valid.sum() = 0)
+                counts = torch.where(stand_in, n - own.sum(-1).reshape(a), counts)  # (A,)
+            counts = counts.expand(a)  # (A,)
             return logits, labels, None, counts, counts, None
         invalid = ~valid  # (K,)
-        if exclude:  # (B, K) the unused slots and the queued keys of the query's own image
-            ids = instance_ids.to(negative_ids.device)
+        if exclude:  # (A, K) the unused slots and the queued keys of the query's own image
             invalid = invalid | same_instance_mask(ids, negative_ids)
-        excluded = F.pad(invalid.expand(n, -1), (1, width - invalid.shape[-1]), value=True)  # (B, 1 + width)
-        if in_batch_masked is not None:  # in-batch columns: the positive, and other crops of the query's image
-            own = in_batch_masked | same_instance_mask(ids, ids) if exclude else in_batch_masked  # (B, B)
-            excluded[:, 1 : 1 + n] = torch.where(stand_in, own, excluded[:, 1 : 1 + n])
-        scores = None
-        if self.config.false_negatives is not None:
-            support = torch.stack([q, k], dim=1)  # (B, 2, D): support = the two views
-            scores = support_scores(support, negatives)  # (B, K)
-            scores = F.pad(scores, (1, width - scores.shape[1]), value=float("-inf"))  # (B, 1 + width)
-            if in_batch_masked is not None:
-                scores[:, 1 : 1 + n] = torch.where(stand_in, support_scores(support, k), scores[:, 1 : 1 + n])
+        excluded = F.pad(invalid.expand(a, -1), (1, width - size), value=True)  # (A, 1 + width)
+        support = torch.stack([q, k], dim=1)  # (A, 2, D): support = the two views
+        scores = support_scores(support, negatives)  # (A, K)
+        scores = F.pad(scores, (1, width - scores.shape[1]), value=float("-inf"))  # (A, 1 + width)
+        if stand_in is not None:  # in-batch columns: the positive, and other crops of the query's image
+            excluded[:, 1 : 1 + n] = torch.where(stand_in, own.reshape(a, n), excluded[:, 1 : 1 + n])
+            in_batch = torch.cat([support_scores(support[h * n : (h + 1) * n], k[h * n : (h + 1) * n])
+                                  for h in range(halves)])  # (A, B) each half against its own keys
+            scores[:, 1 : 1 + n] = torch.where(stand_in, in_batch, scores[:, 1 : 1 + n])
         logits, *masks = cancel_negatives(logits, labels, excluded, scores, self.config)
         return (logits, labels, *masks)

@@ -16,7 +16,7 @@ from . import distributed
 from .backbone import ProjectionHead, build_encoder_and_head
 from .configuration import MoCoV3Config
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
-from .losses import contrastive_loss, mocov3_logits
+from .losses import _fp32_normalize, _no_autocast, _with_negatives, contrastive_loss
 from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .queue import NegativeQueue
 
@@ -194,55 +194,62 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         queue = queue_ids = valid = None
         if self.has_queue:  # the whole buffer of before this step, for both halves; unused slots masked
             queue, queue_ids, valid = self.queue.keys, self.queue.instance_ids, self.queue.valid()  # (K, D), (K,), (K,)
-        halves = [self._contrast(q1, k2_local, k2, rank, queue, queue_ids, valid, instance_ids),
-                  self._contrast(q2, k1_local, k1, rank, queue, queue_ids, valid, instance_ids)]
+        ids = None if instance_ids is None else torch.cat([instance_ids, instance_ids])  # (2N,) both halves
+        own_keys = torch.cat([k2_local, k1_local])  # (2N, D) each query's positive key: the FNC support
+        logits, labels, positive_mask, counts, kept, removed = self._contrast(
+            torch.cat([q1, q2]), (k2, k1), own_keys, rank, queue, queue_ids, valid, ids)  # (2N, M + K), (2N,)
         loss = None
-        if return_loss:  # ctr(q1, k2) + ctr(q2, k1), each times 2T as the official code
+        if return_loss:  # ctr(q1, k2) + ctr(q2, k1), each times 2T as the official code: the mean of 2N rows times 4T
             t = self.config.temperature
-            loss = sum(contrastive_loss(logits, labels, t, self.config.tau_plus, positive_mask) * (2 * t)
-                       for logits, labels, positive_mask, *_ in halves)
-        logits, labels = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])  # (2N, M + K), (2N,)
-        counts = kept = removed = None
-        if halves[0][3] is not None:  # something was masked: per-query counts
-            counts, kept = (torch.cat([h[i] for h in halves]) for i in (3, 4))  # (2N,) each
-            if self.config.false_negatives is not None:
-                removed = torch.cat([h[5] for h in halves])  # (2N,)
+            loss = contrastive_loss(logits, labels, t, self.config.tau_plus, positive_mask) * (4 * t)
         queue_keys = queue_key_ids = None
         if self.has_queue:  # this process's keys of view 2, then view 1; the trainer gathers and enqueues them
-            queue_keys = F.normalize(torch.cat([k2_local, k1_local]).float(), dim=1)  # (2N, D)
-            queue_key_ids = None if instance_ids is None else torch.cat([instance_ids, instance_ids])  # (2N,)
+            queue_keys = F.normalize(own_keys.float(), dim=1)  # (2N, D)
+            queue_key_ids = ids  # (2N,)
         return ContrastiveOutput(
             loss=loss, logits=logits, labels=labels, embeddings=torch.cat([q1, q2]), queue_keys=queue_keys,
             num_negatives=k1.shape[0] - 1 if counts is None else counts.float().mean(),
             negative_counts=kept, queue_instance_ids=queue_key_ids, false_negatives_removed=removed,
         )
 
-    def _contrast(self, q, k_own, keys, rank, queue=None, queue_ids=None, valid=None, instance_ids=None):
-        """``ctr(q, k)``'s logits ``(N, M + K)`` and labels ``(N,)`` of local queries ``q (N, D)`` against
-        the gathered keys ``(M, D)`` of the other view and the whole queue buffer ``queue (K, D)`` (``K = 0``
-        when None) whose unused slots (``valid (K,)`` False) are ``-inf`` and not counted, with the masks
-        the config asks for: the queued keys of a query's own image
-        (``exclude_same_instance``, ids ``queue_ids (K,)`` against ``instance_ids (N,)``) and
-        false-negative cancellation over in-batch and queued keys. The support set of a query is the
-        query and its own key ``k_own (N, D)``, as in MoCo (see :mod:`hf_contrast.false_negatives`).
+    def _contrast(self, q, keys, k_own, rank, queue=None, queue_ids=None, valid=None, instance_ids=None):
+        """Both ``ctr``'s logits ``(2N, M + K)`` in one buffer and labels ``(2N,)``: local queries ``q (2N, D)``
+        (view 1's, then view 2's), half ``h`` against the gathered keys ``keys[h] (M, D)`` of the other view,
+        all against the whole queue buffer ``queue (K, D)`` (``K = 0`` when None) whose unused slots
+        (``valid (K,)`` False) are ``-inf`` and not counted, with the masks the config asks for: the
+        queued keys of a query's own image (``exclude_same_instance``, ids ``queue_ids (K,)`` against
+        ``instance_ids (2N,)``; written into the logits in place) and false-negative cancellation over
+        in-batch and queued keys. The support set of a query is the query and its own key
+        ``k_own (2N, D)``, as in MoCo (see :mod:`hf_contrast.false_negatives`).
         Returns ``(logits, labels, positive_mask, negatives, kept, removed)``; the last four are None
         without a queue and without cancellation (``positive_mask`` and ``removed`` without cancellation)."""
-        logits, labels = mocov3_logits(q, keys, self.config.temperature, rank, queue, valid)  # (N, M + K), (N,)
-        exclude = (self.config.exclude_same_instance and queue is not None and instance_ids is not None)
-        if self.config.false_negatives is None and queue is None:
-            return logits, labels, None, None, None, None
-        m = keys.shape[0]
-        excluded = torch.zeros_like(logits, dtype=torch.bool)  # (N, M + K)
+        exclude = self.config.exclude_same_instance and queue is not None and instance_ids is not None
+        ids = instance_ids.to(queue_ids.device) if exclude else None  # (2N,)
+        n, m = q.shape[0] // 2, keys[0].shape[0]
+        with _no_autocast(q):
+            q_t = _fp32_normalize(q) / self.config.temperature  # (2N, D) scaled by 1/T
+            logits = torch.cat([q_t[h * n : (h + 1) * n] @ _fp32_normalize(keys[h]).T for h in range(2)])  # (2N, M)
+            matches = None
+            if queue is not None:
+                logits, matches = _with_negatives(q_t, logits, queue, valid, ids, queue_ids)  # (2N, M + K)
+        labels = (torch.arange(n, device=q.device) + rank * n).repeat(2)  # (2N,) this process's images among the M
+        if self.config.false_negatives is None:
+            if queue is None:
+                return logits, labels, None, None, None, None
+            counts = valid.sum() + (m - 1)  # () the other in-batch keys and the filled slots
+            counts = (counts if matches is None else counts - matches).expand(2 * n)  # (2N,)
+            return logits, labels, None, counts, counts, None
+        excluded = torch.zeros_like(logits, dtype=torch.bool)  # (2N, M + K)
         excluded.scatter_(1, labels.unsqueeze(1), True)  # the positive
         if queue is not None:  # unused slots, and the queued keys of the query's own image (in-batch keys are not)
             invalid = ~valid  # (K,)
             if exclude:
-                invalid = invalid | same_instance_mask(instance_ids.to(queue_ids.device), queue_ids)  # (N, K)
+                invalid = invalid | same_instance_mask(ids, queue_ids)  # (2N, K)
             excluded[:, m:] = invalid
-        scores = None
-        if self.config.false_negatives is not None:
-            candidates = keys if queue is None else torch.cat([keys, queue])  # (M + K, D)
-            scores = support_scores(torch.stack([q, k_own], dim=1), candidates)  # (N, M + K)
+        support = torch.stack([q, k_own], dim=1)  # (2N, 2, D)
+        scores = torch.cat([support_scores(support[h * n : (h + 1) * n],
+                                           keys[h] if queue is None else torch.cat([keys[h], queue]))
+                            for h in range(2)])  # (2N, M + K)
         logits, positive_mask, negatives, kept, removed = cancel_negatives(logits, labels, excluded, scores,
                                                                            self.config)
         return logits, labels, positive_mask, negatives, kept, removed

@@ -26,11 +26,10 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import distributed
-from ..losses import nt_xent_logits
+from ..losses import cross_entropy, nt_xent_logits
 from ..modeling_base import ContrastiveOutput
 
 
@@ -186,7 +185,7 @@ def grad_cache_step(
             rank=distributed.rank(),
         )  # (N * W, D) each
     logits, labels = nt_xent_logits(z_a, z_b, inner.config.temperature, **gather)  # (2N, 2M), (2N,)
-    loss = F.cross_entropy(logits, labels)
+    loss = cross_entropy(logits, labels)  # one (2N, 2M) gradient buffer
     outputs = ContrastiveOutput(
         loss=loss.detach(),
         logits=logits.detach(),
