@@ -64,6 +64,11 @@ def test_augmentation_per_method(pretrain):
         assert build(method, small).recipe == "small_images" and build(method, small).view_solarize_p == (0.0, 0.0)
         v2 = build(method, large)
         assert v2.recipe == "mocov2" and v2.overrides == {"crop_scale": (0.5, 1.0)}  # the script's --crop_min_scale
+    chosen = pretrain.DataArguments(augmentation="mocov2")  # --augmentation mocov2: MoCo v2's for mocov3 too
+    assert build("mocov3", chosen).recipe == "small_images" and build("mocov3", chosen).view_solarize_p == (0.0, 0.0)
+    assert build("moco", pretrain.DataArguments(augmentation="mocov3")).recipe == "mocov3"
+    with pytest.raises(ValueError, match=r"augmentation='byol' is invalid: it must be one of \('mocov2', 'mocov3'\)"):
+        build("moco", pretrain.DataArguments(augmentation="byol"))
 
 
 def test_pretrain_mocov3_vit_runs_with_the_official_recipe(pretrain, tmp_path, monkeypatch, caplog):

@@ -40,7 +40,7 @@ Augmentation (``build_augmentation``): ``moco`` and ``simclr`` MoCo v2's (``smal
 (``TwoViewAugmentation.mocov3``: blur p 1.0 / 0.1, solarize p 0 / 0.2, jitter (0.4, 0.4, 0.2, 0.1)), at
 <= 64 px without blur (solarize stays on view 2). Crops are ``--crop_min_scale``-1 (0.5, for the digits),
 except mocov3 above 64 px: the official 0.08-1 unless the flag is given. The setup line and the model
-card name the recipe.
+card name the recipe; ``--augmentation mocov2|mocov3`` picks another.
 """
 
 from __future__ import annotations
@@ -144,6 +144,9 @@ class ModelArguments:
     lars: bool = field(default=False, metadata={"help": "MoCo v3 on a non-ViT backbone: LARS with the official defaults."})
 
 
+AUGMENTATION_RECIPES = ("mocov2", "mocov3")
+
+
 @dataclass
 class DataArguments:
     """Where the images come from and how they are augmented."""
@@ -166,6 +169,9 @@ class DataArguments:
     crop_min_scale: float = field(default=0.5, metadata={
         "help": "Smallest crop area fraction (--method mocov3 above 64 px: the official 0.08 unless given)."})
     horizontal_flip: bool = field(default=False, metadata={"help": "Random flips (off: digits are not symmetric)."})
+    augmentation: str | None = field(default=None, metadata={
+        "help": f"Augmentation recipe, one of {AUGMENTATION_RECIPES}; default: the method's (mocov3 for --method "
+                "mocov3, else mocov2). At --image_size <= 64 without blur (mocov2: small_images)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training split."})
     knn_k: int = field(default=200, metadata={"help": "Neighbours of the kNN monitor."})
     skip_bad_samples: int = field(default=0, metadata={
@@ -289,7 +295,8 @@ SMALL_IMAGE_SIZE = 64  # at or below: no blur (it erases small images), the scri
 
 
 def build_augmentation(method: str, data_args: DataArguments, mean, std, given: set[str] = frozenset()):
-    """The two-view augmentation of ``--method`` for ``data_args`` (``given``: flags on the command line).
+    """The two-view augmentation of ``--method`` for ``data_args`` (``given``: flags on the command line);
+    ``--augmentation mocov2|mocov3`` picks the recipe for any method.
 
     ``moco`` and ``simclr``: MoCo v2's recipe, its CIFAR variant (``small_images``, no blur) at
     ``--image_size`` <= 64. ``mocov3``: the official MoCo v3 / BYOL recipe
@@ -297,11 +304,16 @@ def build_augmentation(method: str, data_args: DataArguments, mean, std, given: 
     jitter (0.4, 0.4, 0.2, 0.1)); at <= 64 px it drops the blur as ``small_images`` does and keeps the
     asymmetry in solarize. The crop's smallest area is ``--crop_min_scale`` (0.5, chosen for the
     digits) for every method at <= 64 px; above, mocov3 takes the official 0.08 unless the flag is
-    given. Flips follow ``--horizontal_flip`` (off: digits are not mirror-symmetric).
+    given (for any method with ``--augmentation mocov3``). Flips follow ``--horizontal_flip`` (off: digits
+    are not mirror-symmetric).
     """
+    recipe = data_args.augmentation or ("mocov3" if method == "mocov3" else "mocov2")
+    if recipe not in AUGMENTATION_RECIPES:
+        raise ValueError(f"augmentation={recipe!r} is invalid: it must be one of {AUGMENTATION_RECIPES} "
+                         "(or not given: the method's)")
     small = data_args.image_size <= SMALL_IMAGE_SIZE
     common = dict(image_size=data_args.image_size, flip_p=0.5 if data_args.horizontal_flip else 0.0, mean=mean, std=std)
-    if method == "mocov3":
+    if recipe == "mocov3":
         if small:
             common["blur_p"] = 0.0
         if small or "crop_min_scale" in given:
