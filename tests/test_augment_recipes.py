@@ -87,6 +87,15 @@ def test_mocov2_draws_are_two_plain_draws_and_jitter_strength_is_jitter():
     assert torch.equal(params, torch.stack(plain, 1)) and not params[..., augment.SOLARIZE].any()
     as_tuple = augment.draw_params(50, 40, 40, torch.Generator().manual_seed(3), jitter=(0.4, 0.4, 0.4, 0.1))
     assert torch.equal(as_tuple, plain[0])
+    drawn, by_hand = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    augment.draw_params(50, 40, 40, drawn)  # uses exactly the draws of before the solarize column: boxes, (n, 9)
+    augment.crop_boxes(50, 40, 40, (0.2, 1.0), by_hand)
+    torch.rand(50, 9, generator=by_hand)
+    assert torch.equal(drawn.get_state(), by_hand.get_state())
+    augment.draw_params(50, 40, 40, drawn, solarize_p=0.2)  # and with solarize one (n,) draw more
+    augment.crop_boxes(50, 40, 40, (0.2, 1.0), by_hand)
+    torch.rand(50, 10, generator=by_hand)
+    assert torch.equal(drawn.get_state(), by_hand.get_state())
 
 
 def op_names(pipeline) -> list[str]:
