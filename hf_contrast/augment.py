@@ -2,14 +2,14 @@
 
 A view of a batch is described by one float tensor ``(B, P)`` (:func:`draw_params`): crop box,
 flip, colour jitter (applied flag, brightness, contrast, saturation, hue), grayscale flag, blur
-sigma. It is drawn on the CPU from a seeded ``torch.Generator`` where the batch is made (a
+sigma, solarize flag. It is drawn on the CPU from a seeded ``torch.Generator`` where the batch is made (a
 DataLoader worker), travels with the batch, and is applied by kernels whose number of launches
 does not depend on the batch size: every op runs on every image with identity parameters where it
 does not apply (factor 1, hue 0, a delta blur kernel) and ``torch.where`` on the flags. No
 ``nonzero``, no subset indexing, no scalar read of a tensor, no host-to-device copy of parameters.
 
 Each op follows torchvision's definition (``RandomResizedCrop.get_params``, ``ColorJitter``,
-``RandomGrayscale``, ``GaussianBlur``, ``RandomHorizontalFlip``); differences are noted where
+``RandomGrayscale``, ``GaussianBlur``, ``RandomSolarize``, ``RandomHorizontalFlip``); differences are noted where
 they exist. Constants (luma weights, the HSV sector table, tap offsets, mean/std) are made once per device.
 """
 
@@ -24,10 +24,12 @@ import torch.nn.functional as F
 _GRAY = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, torchvision's rgb_to_grayscale weights
 _HSV_PHASE = (5.0, 3.0, 1.0)  # HSV -> RGB: channel c = v - (v - min) * clamp(min(k, 4 - k), 0, 1), k = (n_c + 6h) mod 6
 
-# columns of a view's parameters (B, NUM_PARAMS)
-X1, Y1, X2, Y2, FLIP, JITTER, BRIGHTNESS, CONTRAST, SATURATION, HUE, GRAY, SIGMA = range(12)
-NUM_PARAMS = 12
-PARAM_NAMES = ("x1", "y1", "x2", "y2", "flip", "jitter", "brightness", "contrast", "saturation", "hue", "gray", "sigma")
+# columns of a view's parameters (B, NUM_PARAMS); new columns are appended, so existing indices stay
+X1, Y1, X2, Y2, FLIP, JITTER, BRIGHTNESS, CONTRAST, SATURATION, HUE, GRAY, SIGMA, SOLARIZE = range(13)
+NUM_PARAMS = 13
+PARAM_NAMES = ("x1", "y1", "x2", "y2", "flip", "jitter", "brightness", "contrast", "saturation", "hue", "gray", "sigma",
+               "solarize")
+SOLARIZE_THRESHOLD = 0.5  # on the 0-1 scale: torchvision's RandomSolarize(0.5) on floats, 128 of 255 on uint8/PIL
 BLUR_SIGMA = (0.1, 2.0)  # MoCo v2 / SimCLR
 
 
@@ -67,29 +69,37 @@ def crop_boxes(n: int, height, width, scale: tuple[float, float], generator=None
 def draw_params(n: int, height, width, generator: torch.Generator | None = None, *,
                 crop_scale: tuple[float, float] = (0.2, 1.0), jitter_strength: float = 0.4, jitter_p: float = 0.8,
                 grayscale_p: float = 0.2, blur_p: float = 0.5, flip_p: float = 0.5,
-                blur_sigma: tuple[float, float] = BLUR_SIGMA) -> torch.Tensor:
+                blur_sigma: tuple[float, float] = BLUR_SIGMA, jitter: tuple[float, float, float, float] | None = None,
+                solarize_p: float = 0.0) -> torch.Tensor:
     """The parameters of one view of ``n`` images: float32 ``(n, NUM_PARAMS)``, columns ``PARAM_NAMES``.
 
     Crop boxes as :func:`crop_boxes` (images of ``height`` x ``width``, ints or ``(n,)``), then one
     ``(n, 9)`` uniform draw per view: jitter applied with probability ``jitter_p`` (brightness,
-    contrast, saturation factors in ``[max(0, 1 - s), 1 + s]``, hue factor in ``[-s/4, s/4]`` turns, as
-    ``ColorJitter(s, s, s, s/4)``; factors 1 and hue 0 where it does not apply), grayscale with
-    ``grayscale_p``, blur with ``blur_p`` (sigma uniform in ``blur_sigma``; 0 where it does not
-    apply), flip with ``flip_p``. Everything is drawn for every image, so the draws never depend on
-    the outcomes, and a seeded ``generator`` gives the same parameters on any machine.
+    contrast, saturation factors in ``[max(0, 1 - j), 1 + j]``, hue factor in ``[-h, h]`` turns, as
+    ``ColorJitter(*jitter)``, ``jitter = (b, c, s, h)``, by default ``(s, s, s, s/4)`` from
+    ``jitter_strength``; factors 1 and hue 0 where it does not apply), grayscale with ``grayscale_p``,
+    blur with ``blur_p`` (sigma uniform in ``blur_sigma``; 0 where it does not apply), flip with
+    ``flip_p``. Then, only when ``solarize_p > 0``, one ``(n,)`` draw for the solarize flag (0
+    otherwise): settings without solarize draw exactly the stream they drew before the column existed.
+    Everything is drawn for every image, so the draws never depend on the outcomes, and a seeded
+    ``generator`` gives the same parameters on any machine.
     """
     boxes = crop_boxes(n, height, width, crop_scale, generator)  # (n, 4)
     u = torch.rand(n, 9, generator=generator)  # (n, 9)
     s = jitter_strength
-    jitter = (u[:, 0] < jitter_p) & (s > 0)  # (n,)
-    low = max(0.0, 1 - s)
-    factors = torch.where(jitter.unsqueeze(1), u[:, 1:4] * (1 + s - low) + low, 1.0)  # (n, 3) b, c, sat
-    hue = torch.where(jitter, u[:, 4] * (s / 2) - s / 4, 0.0)  # (n,) fraction of a turn, torchvision's hue_factor
+    strengths = tuple(jitter) if jitter is not None else (s, s, s, s / 4)  # b, c, sat, hue
+    jitter_on = (u[:, 0] < jitter_p) & (max(strengths) > 0)  # (n,)
+    low = torch.tensor([max(0.0, 1 - j) for j in strengths[:3]])  # (3,) torchvision's ranges
+    span = torch.tensor([1 + j - max(0.0, 1 - j) for j in strengths[:3]])  # (3,)
+    factors = torch.where(jitter_on.unsqueeze(1), u[:, 1:4] * span + low, 1.0)  # (n, 3) b, c, sat
+    h = strengths[3]
+    hue = torch.where(jitter_on, u[:, 4] * (2 * h) - h, 0.0)  # (n,) fraction of a turn, torchvision's hue_factor
     gray = u[:, 5] < grayscale_p
     blur = u[:, 6] < blur_p
     sigma = torch.where(blur, u[:, 7] * (blur_sigma[1] - blur_sigma[0]) + blur_sigma[0], 0.0)  # (n,)
     flip = u[:, 8] < flip_p
-    columns = [flip, jitter, factors, hue, gray, sigma]
+    solarize = torch.rand(n, generator=generator) < solarize_p if solarize_p > 0 else torch.zeros(n, dtype=torch.bool)
+    columns = [flip, jitter_on, factors, hue, gray, sigma, solarize]
     return torch.cat([boxes] + [c.float().view(n, -1) for c in columns], dim=1)  # (n, NUM_PARAMS)
 
 
@@ -246,6 +256,12 @@ def gaussian_blur(x: torch.Tensor, params: torch.Tensor, kernel_size: int) -> to
     y = F.conv2d(F.pad(y, (pad, pad, 0, 0), mode="reflect"), k.view(n * c, 1, 1, kernel_size), groups=n * c)
     y = F.conv2d(F.pad(y, (0, 0, pad, pad), mode="reflect"), k.view(n * c, 1, kernel_size, 1), groups=n * c)
     return y.view(n, c, h, w)
+
+
+def random_solarize(x: torch.Tensor, params: torch.Tensor, threshold: float = SOLARIZE_THRESHOLD) -> torch.Tensor:
+    """torchvision's ``solarize`` (``x >= threshold`` becomes ``1 - x``, on images in [0, 1]) where the
+    solarize flag is set: one ``torch.where`` for the batch, no branch on the data."""
+    return torch.where((_column(params, SOLARIZE, x) > 0) & (x >= threshold), 1 - x, x)  # (B, 3, H, W)
 
 
 def normalize(x: torch.Tensor, mean: tuple, std: tuple) -> torch.Tensor:

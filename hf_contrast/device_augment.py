@@ -4,8 +4,8 @@ With ``device_augmentation`` the DataLoader workers only decode, resize to a fix
 (``source_size``, 8/7 of the crop size by default) and draw each view's per-sample parameters from
 the batch's seed (:meth:`~hf_contrast.TwoViewAugmentation.view_params`); the batch carries
 ``images`` ``(B, 3, R, R)`` uint8 and ``view_params`` ``(B, 2, P)`` float32. Here the random
-resized crop and flip (one ``grid_sample`` per view), colour jitter, grayscale, blur and
-normalisation run batched and branch-free on the images' device: the number of kernel launches
+resized crop and flip (one ``grid_sample`` per view), colour jitter, grayscale, blur, solarize
+and normalisation run batched and branch-free on the images' device: the number of kernel launches
 does not depend on the batch size, and no value is read back to the host. They are the very
 kernels of the worker path for fixed-size images (:meth:`~hf_contrast.TwoViewAugmentation.views`),
 so a batch gives the same views in a worker as here, and the views depend only on

@@ -62,19 +62,13 @@ def default_template_text() -> str:
 
 
 def describe_augmentation(augmentation) -> str:
-    """One line describing a :class:`~hf_contrast.TwoViewAugmentation` (any other object: its ``str``)."""
+    """One line describing a :class:`~hf_contrast.TwoViewAugmentation`, its recipe named first (its
+    ``describe()``); any other object: its ``str``."""
     if augmentation is None:
         return "not recorded"
-    if not hasattr(augmentation, "crop_scale"):
+    if not hasattr(augmentation, "describe"):
         return str(augmentation)
-    a = augmentation
-    s = a.jitter_strength
-    parts = [f"random resized crop to {a.image_size} px, scale {tuple(a.crop_scale)}"]
-    parts.append(f"colour jitter ({s}, {s}, {s}, {s / 4:g}) p={a.jitter_p}" if a.jitter_p and s else "no colour jitter")
-    parts.append(f"grayscale p={a.grayscale_p}" if a.grayscale_p else "no grayscale")
-    parts.append(f"Gaussian blur p={a.blur_p}" if a.blur_p else "no blur")
-    parts.append(f"horizontal flip p={a.flip_p}" if a.flip_p else "no flip")
-    return ", ".join(parts)
+    return augmentation.describe()
 
 
 @dataclass

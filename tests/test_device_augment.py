@@ -85,8 +85,10 @@ def profile_ops(augment, images, view_params) -> tuple[Counter, Counter]:
     return Counter(e.name for e in events if e.cpu_parent is None), Counter(e.name for e in events)
 
 
-def test_op_count_is_flat_in_the_batch_size_and_nothing_is_read_back():
-    augmentation = TwoViewAugmentation(image_size=28, blur_p=0.5)  # every op on: crop, flip, jitter, gray, blur
+@pytest.mark.parametrize("recipe", ["mocov2", "mocov3"])
+def test_op_count_is_flat_in_the_batch_size_and_nothing_is_read_back(recipe):
+    # every op on: crop, flip, jitter, gray, blur (and mocov3's solarize on view 2)
+    augmentation = TwoViewAugmentation(image_size=28) if recipe == "mocov2" else TwoViewAugmentation.mocov3(28)
     augment = DeviceAugmentation(augmentation)
     ops, every = {}, {}
     for n in (8, 64):
@@ -96,10 +98,11 @@ def test_op_count_is_flat_in_the_batch_size_and_nothing_is_read_back():
         assert every[64][name] == 0, name  # no value read back to the host, no data-dependent subset
 
 
-def test_device_views_equal_the_worker_views_of_the_same_batch(digits, tmp_path):
+@pytest.mark.parametrize("recipe", ["small_images", "mocov3"])
+def test_device_views_equal_the_worker_views_of_the_same_batch(digits, tmp_path, recipe):
     files = write_shards(digits["train"].select(range(16)), str(tmp_path), images_per_shard=8)
     files = resolve_shards(files)
-    augmentation = TwoViewAugmentation.small_images(32, flip_p=0.5)
+    augmentation = getattr(TwoViewAugmentation, recipe)(32, flip_p=0.5)  # mocov3: blur and solarize per view
 
     def batches(device_augmentation):
         stream = datasets.load_dataset("webdataset", data_files={"train": files}, split="train", streaming=True)
@@ -116,8 +119,9 @@ def test_device_views_equal_the_worker_views_of_the_same_batch(digits, tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_same_views_on_cuda():
-    augmentation = TwoViewAugmentation(image_size=24)
+@pytest.mark.parametrize("recipe", ["mocov2", "mocov3"])
+def test_same_views_on_cuda(recipe):
+    augmentation = TwoViewAugmentation(image_size=24) if recipe == "mocov2" else TwoViewAugmentation.mocov3(24)
     augment = DeviceAugmentation(augmentation)
     images, p = colour_images(8, 32), params(augmentation, 8, 32, 3)
     cpu, gpu = augment(images, p), augment(images.cuda(), p.pin_memory())

@@ -15,6 +15,7 @@ from hf_contrast import (
     MoCoConfig,
     MoCoModel,
     TwoViewAugmentation,
+    augment,
     two_view_dataset,
 )
 from hf_contrast.data import square_resized
@@ -29,7 +30,7 @@ def test_items_are_uint8_images_with_the_views_parameters(digits):
     items = ds.__getitems__([3, 1])
     assert set(items[0]) == {"images", "view_params", "instance_id"} and int(items[1]["instance_id"]) == 1
     assert items[0]["images"].shape == (3, 37, 37) and items[0]["images"].dtype == torch.uint8
-    assert items[0]["view_params"].shape == (2, 12) and items[0]["view_params"].dtype == torch.float32
+    assert items[0]["view_params"].shape == (2, augment.NUM_PARAMS) == (2, 13) and items[0]["view_params"].dtype == torch.float32
     reference = torch.from_numpy(np.array(square_resized(digits["train"][3]["image"], 37))).permute(2, 0, 1)
     assert torch.equal(items[0]["images"], reference)
     again = ds.__getitems__([3, 1])

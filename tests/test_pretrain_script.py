@@ -47,7 +47,32 @@ def test_mocov3_lars_recipe_for_resnets(pretrain):
     assert pretrain.apply_mocov3_defaults(no_lars, training, []) == (None, None)  # the script's SGD stays
 
 
-def test_pretrain_mocov3_vit_runs_with_the_official_recipe(pretrain, tmp_path, monkeypatch):
+def test_augmentation_per_method(pretrain):
+    """mocov3: the official MoCo v3 recipe (asymmetric blur and solarize, jitter (0.4, 0.4, 0.2, 0.1), crops
+    0.08-1 above 64 px); at <= 64 px no blur, the script's crop scale, solarize kept on view 2. moco and
+    simclr: MoCo v2's, small_images at <= 64 px."""
+    small, large = pretrain.DataArguments(), pretrain.DataArguments(image_size=224, horizontal_flip=True)
+    build = lambda method, data, given=frozenset(): pretrain.build_augmentation(method, data, (0.5,) * 3, (0.2,) * 3, given)  # noqa: E731
+    v3 = build("mocov3", large)
+    assert v3.recipe == "mocov3" and v3.overrides == {} and v3.crop_scale == (0.08, 1.0)
+    assert v3.view_blur_p == (1.0, 0.1) and v3.view_solarize_p == (0.0, 0.2) and v3.jitter_strengths == (0.4, 0.4, 0.2, 0.1)
+    assert build("mocov3", large, {"crop_min_scale"}).crop_scale == (0.5, 1.0)  # the flag given wins
+    digits = build("mocov3", small)
+    assert digits.recipe == "mocov3" and digits.overrides == {"crop_scale": (0.5, 1.0), "blur_p": (0.0, 0.0), "flip_p": 0.0}
+    assert digits.view_solarize_p == (0.0, 0.2) and digits.mean == (0.5,) * 3
+    for method in ("moco", "simclr"):
+        assert build(method, small).recipe == "small_images" and build(method, small).view_solarize_p == (0.0, 0.0)
+        v2 = build(method, large)
+        assert v2.recipe == "mocov2" and v2.overrides == {"crop_scale": (0.5, 1.0)}  # the script's --crop_min_scale
+    chosen = pretrain.DataArguments(augmentation="mocov2")  # --augmentation mocov2: MoCo v2's for mocov3 too
+    assert build("mocov3", chosen).recipe == "small_images" and build("mocov3", chosen).view_solarize_p == (0.0, 0.0)
+    assert build("moco", pretrain.DataArguments(augmentation="mocov3")).recipe == "mocov3"
+    with pytest.raises(ValueError, match=r"augmentation='byol' is invalid: it must be one of \('mocov2', 'mocov3'\)"):
+        build("moco", pretrain.DataArguments(augmentation="byol"))
+
+
+def test_pretrain_mocov3_vit_runs_with_the_official_recipe(pretrain, tmp_path, monkeypatch, caplog):
+    caplog.set_level("INFO", logger="pretrain")
     seen = {}
     original = pretrain.ContrastiveTrainer.create_optimizer
 
@@ -73,3 +98,6 @@ def test_pretrain_mocov3_vit_runs_with_the_official_recipe(pretrain, tmp_path, m
     assert results["no_signal_loss"] == pytest.approx(math.log(32) * 4 * config.temperature)
     card = (tmp_path / "encoder" / "README.md").read_text()
     assert "# MoCo v3" in card and "N*W - 1 negatives" in card
+    setup = next(r.getMessage() for r in caplog.records if "training images, augmentation" in r.getMessage())
+    assert "augmentation mocov3 recipe: random resized crop to 32 px, scale (0.5, 1.0)" in setup
+    assert "mocov3 recipe:" in card and "no blur, solarize p=0 (view 1) / 0.2 (view 2), no flip" in card

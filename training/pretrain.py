@@ -34,6 +34,13 @@ for it, each applied only where the flag is not given on the command line:
 * other backbones with ``--lars``: LARS (``hf_contrast.trainer.optim.LARS``, MoCo v3's), lr 0.6 x global
   batch / 256, weight decay 1e-6, warmup 10/100 of training, cosine (the official ResNet-50 recipe).
   Without ``--lars`` they keep this script's SGD defaults.
+
+Augmentation (``build_augmentation``): ``moco`` and ``simclr`` MoCo v2's (``small_images``, no blur, at
+``--image_size`` <= 64); ``mocov3`` the official MoCo v3 / BYOL asymmetric recipe
+(``TwoViewAugmentation.mocov3``: blur p 1.0 / 0.1, solarize p 0 / 0.2, jitter (0.4, 0.4, 0.2, 0.1)), at
+<= 64 px without blur (solarize stays on view 2). Crops are ``--crop_min_scale``-1 (0.5, for the digits),
+except mocov3 above 64 px: the official 0.08-1 unless the flag is given. The setup line and the model
+card name the recipe; ``--augmentation mocov2|mocov3`` picks another.
 """
 
 from __future__ import annotations
@@ -137,6 +144,9 @@ class ModelArguments:
     lars: bool = field(default=False, metadata={"help": "MoCo v3 on a non-ViT backbone: LARS with the official defaults."})
 
 
+AUGMENTATION_RECIPES = ("mocov2", "mocov3")
+
+
 @dataclass
 class DataArguments:
     """Where the images come from and how they are augmented."""
@@ -156,8 +166,12 @@ class DataArguments:
     label_column: str = field(default="label", metadata={"help": "Label column, used only for the kNN report."})
     test_split_size: float = field(default=0.2, metadata={"help": "Held-out fraction when there is no test split."})
     image_size: int = field(default=32, metadata={"help": "Side of the training crops in pixels."})
-    crop_min_scale: float = field(default=0.5, metadata={"help": "Smallest crop area fraction."})
+    crop_min_scale: float = field(default=0.5, metadata={
+        "help": "Smallest crop area fraction (--method mocov3 above 64 px: the official 0.08 unless given)."})
     horizontal_flip: bool = field(default=False, metadata={"help": "Random flips (off: digits are not symmetric)."})
+    augmentation: str | None = field(default=None, metadata={
+        "help": f"Augmentation recipe, one of {AUGMENTATION_RECIPES}; default: the method's (mocov3 for --method "
+                "mocov3, else mocov2). At --image_size <= 64 without blur (mocov2: small_images)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training split."})
     knn_k: int = field(default=200, metadata={"help": "Neighbours of the kNN monitor."})
     skip_bad_samples: int = field(default=0, metadata={
@@ -277,6 +291,39 @@ def explicit_flags(argv: list[str] | None) -> set[str]:
     return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
 
 
+SMALL_IMAGE_SIZE = 64  # at or below: no blur (it erases small images), the script's crop scale for every method
+
+
+def build_augmentation(method: str, data_args: DataArguments, mean, std, given: set[str] = frozenset()):
+    """The two-view augmentation of ``--method`` for ``data_args`` (``given``: flags on the command line);
+    ``--augmentation mocov2|mocov3`` picks the recipe for any method.
+
+    ``moco`` and ``simclr``: MoCo v2's recipe, its CIFAR variant (``small_images``, no blur) at
+    ``--image_size`` <= 64. ``mocov3``: the official MoCo v3 / BYOL recipe
+    (:meth:`~hf_contrast.TwoViewAugmentation.mocov3`: asymmetric, blur p 1.0 / 0.1, solarize p 0 / 0.2,
+    jitter (0.4, 0.4, 0.2, 0.1)); at <= 64 px it drops the blur as ``small_images`` does and keeps the
+    asymmetry in solarize. The crop's smallest area is ``--crop_min_scale`` (0.5, chosen for the
+    digits) for every method at <= 64 px; above, mocov3 takes the official 0.08 unless the flag is
+    given (for any method with ``--augmentation mocov3``). Flips follow ``--horizontal_flip`` (off: digits
+    are not mirror-symmetric).
+    """
+    recipe = data_args.augmentation or ("mocov3" if method == "mocov3" else "mocov2")
+    if recipe not in AUGMENTATION_RECIPES:
+        raise ValueError(f"augmentation={recipe!r} is invalid: it must be one of {AUGMENTATION_RECIPES} "
+                         "(or not given: the method's)")
+    small = data_args.image_size <= SMALL_IMAGE_SIZE
+    common = dict(image_size=data_args.image_size, flip_p=0.5 if data_args.horizontal_flip else 0.0, mean=mean, std=std)
+    if recipe == "mocov3":
+        if small:
+            common["blur_p"] = 0.0
+        if small or "crop_min_scale" in given:
+            common["crop_scale"] = (data_args.crop_min_scale, 1.0)
+        return TwoViewAugmentation.mocov3(**common)
+    if small:
+        return TwoViewAugmentation.small_images(crop_scale=(data_args.crop_min_scale, 1.0), **common)
+    return TwoViewAugmentation(crop_scale=(data_args.crop_min_scale, 1.0), recipe="mocov2", **common)
+
+
 def apply_mocov3_defaults(model_args: ModelArguments, training_args, argv: list[str] | None):
     """The official MoCo v3 optimizer recipe, for the flags not given; returns ``(optimizer_cls_and_kwargs, recipe)``
     (``(None, None)`` when the script's SGD defaults stay)."""
@@ -376,11 +423,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         test, unreadable = preflight_images(train, test, data_args)  # unreadable files named before any step
     digits = data_args.dataset_name is None and data_args.train_dir is None
     mean, std = (DIGITS_MEAN, DIGITS_STD) if digits else (IMAGENET_MEAN, IMAGENET_STD)
-    aug_cls = TwoViewAugmentation.small_images if data_args.image_size <= 64 else TwoViewAugmentation
-    augmentation = aug_cls(
-        image_size=data_args.image_size, crop_scale=(data_args.crop_min_scale, 1.0),
-        flip_p=0.5 if data_args.horizontal_flip else 0.0, mean=mean, std=std,
-    )
+    augmentation = build_augmentation(model_args.method, data_args, mean, std, explicit_flags(argv))
     model = build_model(model_args, data_args.image_size)
     if data_args.streaming:
         train_dataset = StreamingTwoViewDataset(stream, augmentation, data_args.image_column, seed=training_args.seed,
@@ -397,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if training_args.process_index == 0:
         size = f"{num_images} streamed" if data_args.streaming else len(train)
         logger.info(f"Pretraining {type(model).__name__} ({model.config.backbone}) on {name}: "
-                    f"{size} training images, augmentation {augmentation}"
+                    f"{size} training images, augmentation {augmentation.describe()}"
                     + (f"; MoCo v3 {recipe} recipe: lr {training_args.learning_rate:g}, weight decay "
                        f"{training_args.weight_decay:g}" if recipe else ""))
 
