@@ -36,8 +36,8 @@ import torch
 from PIL import Image
 
 from hf_contrast import DeviceAugmentation, TwoViewAugmentation, TwoViewDataset, write_shards
-from hf_contrast.shards import read_shard_sizes, resolve_shards
-from hf_contrast.streaming import StreamingTwoViewDataset
+from hf_contrast.data.shards import read_shard_sizes, resolve_shards
+from hf_contrast.data.streaming import StreamingTwoViewDataset
 
 
 def synthetic_corpus(n: int, seed: int = 0) -> datasets.Dataset:

@@ -5,7 +5,7 @@ Issue 23 item 5: NT-Xent built a ``(2N, 2M)`` self-mask and a ``masked_fill`` co
 MoCo's same-instance masking (on by default) made several ``(B, 1 + K)`` bool temporaries and copies
 of the logits per half, then ``F.cross_entropy`` saved a log-softmax copy and made two gradients.
 Today the logits are one buffer with the masks written into it in place, and the loss is
-``hf_contrast.losses.cross_entropy`` (one gradient buffer). The earlier code is kept below as a
+``hf_contrast.models.losses.cross_entropy`` (one gradient buffer). The earlier code is kept below as a
 reference copy (``old_*``, as it was at commit 74a268a), run on the same embeddings.
 
 Measured per case (the embeddings, the queue and its ids already exist; the step is what the loss
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_contrast import MoCoConfig, MoCoModel, peak_memory_bytes
-from hf_contrast.losses import contrastive_loss, nt_xent_logits
+from hf_contrast.models.losses import contrastive_loss, nt_xent_logits
 
 UNKNOWN_INSTANCE = -1
 

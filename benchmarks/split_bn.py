@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from hf_contrast import MoCoConfig, MoCoModel
-from hf_contrast.split_batch_norm import SplitBatchNorm1d, SplitBatchNorm2d, split_batch_norm
+from hf_contrast.models.split_batch_norm import SplitBatchNorm1d, SplitBatchNorm2d, split_batch_norm
 
 
 class _LegacySplit:

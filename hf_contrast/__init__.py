@@ -1,23 +1,49 @@
-"""hf_contrast: contrastive pretraining (MoCo, SimCLR) of timm image encoders in the Hugging Face stack."""
+"""hf_contrast: contrastive pretraining (MoCo v2, MoCo v3, SimCLR) of timm image encoders in the Hugging Face stack.
+
+The public API is every name in ``__all__`` below, imported from here (``from hf_contrast import ...``):
+
+- methods (:mod:`hf_contrast.models`): ``MoCoModel``/``MoCoConfig``, ``MoCoV3Model``/``MoCoV3Config``,
+  ``SimCLRModel``/``SimCLRConfig``, the base ``ContrastivePreTrainedModel``/``ContrastiveConfig`` (the method
+  interface a new method implements), ``ContrastiveOutput``, ``NegativeQueue``, the losses, ``momentum_at``,
+  ``negatives_per_anchor``, ``false_negative_estimate``;
+- data (:mod:`hf_contrast.data`): ``TwoViewAugmentation``, ``two_view_dataset``, ``TwoViewDataset``,
+  ``StreamingTwoViewDataset``, ``DeviceAugmentation``, ``write_shards``, ``check_images``/``check_shards``,
+  ``load_default_dataset``, the batched kernels as ``augment``;
+- training (:mod:`hf_contrast.trainer`): ``ContrastiveTrainer``, ``ContrastiveTrainingArguments``,
+  ``MomentumCallback``, ``NonFiniteLossError``, checkpoint helpers, ``grad_cache_step``, the monitors and
+  diagnostics, ``ThroughputMeter``;
+- sharing (:mod:`hf_contrast.hub`): ``export_encoder``, ``push_encoder_to_hub``, ``EncoderCardData``;
+- evaluation (``knn_accuracy``, ``extract_features``), ``peak_memory_bytes``, and ``distributed``.
+
+Importing the package registers the three configurations and models with ``AutoConfig``/``AutoModel``.
+"""
 
 from transformers import AutoConfig, AutoModel
 
-from .backbone import ProjectionHead, create_backbone
-from .configuration import ContrastiveConfig, MoCoConfig, MoCoV3Config, SimCLRConfig
-from .corpus import false_negative_estimate
+from . import distributed
 from .data import (
     TwoViewAugmentation,
     TwoViewDataset,
+    augment,
     eval_dataset,
     find_image_column,
     load_default_dataset,
     two_view_dataset,
 )
-from .device_augment import DeviceAugmentation
+from .data.device_augment import DeviceAugmentation
+from .data.preflight import ShardError, UnreadableImageError, check_images, check_shards
+from .data.shards import write_shards
+from .data.streaming import StreamingError, StreamingTwoViewDataset, streaming_two_view_dataset
 from .evaluation import extract_features, knn_accuracy, knn_top1
-from .export import export_encoder
-from .hub import HubPushError, push_encoder_to_hub
-from .losses import (
+from .hub.export import export_encoder
+from .hub.model_card import EncoderCardData
+from .hub.push import HubPushError, push_encoder_to_hub
+from .memory_probe import ActivationProbe, peak_memory_bytes, probe_activation_memory
+from .models.backbone import ProjectionHead, create_backbone
+from .models.base import ContrastiveOutput, ContrastivePreTrainedModel
+from .models.configuration import ContrastiveConfig, MoCoConfig, MoCoV3Config, SimCLRConfig
+from .models.corpus import false_negative_estimate
+from .models.losses import (
     debiased_contrastive_loss,
     info_nce_logits,
     info_nce_loss,
@@ -27,18 +53,12 @@ from .losses import (
     nt_xent_logits,
     nt_xent_loss,
 )
-from .memory_probe import ActivationProbe, peak_memory_bytes, probe_activation_memory
-from .model_card import EncoderCardData
-from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
-from .modeling_moco import MoCoModel
-from .modeling_mocov3 import MoCoV3Model
-from .modeling_simclr import SimCLRModel
-from .momentum import ema_update_, momentum_at
-from .negatives import negatives_per_anchor
-from .preflight import ShardError, UnreadableImageError, check_images, check_shards
-from .queue import NegativeQueue
-from .shards import write_shards
-from .streaming import StreamingError, StreamingTwoViewDataset, streaming_two_view_dataset
+from .models.moco import MoCoModel
+from .models.mocov3 import MoCoV3Model
+from .models.momentum import ema_update_, momentum_at
+from .models.negatives import negatives_per_anchor
+from .models.queue import NegativeQueue
+from .models.simclr import SimCLRModel
 from .trainer import (
     ContrastiveTrainer,
     ContrastiveTrainingArguments,
@@ -68,6 +88,8 @@ AutoModel.register(MoCoV3Config, MoCoV3Model, exist_ok=True)
 __version__ = "0.1.0"
 
 __all__ = [
+    "augment",
+    "distributed",
     "ActivationProbe",
     "CheckpointError",
     "ContrastiveConfig",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .backbone import ProjectionHead, create_backbone
+from .models.backbone import ProjectionHead, create_backbone
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"sgd": 4, "adamw": 8, "lars": 4}  # fp32 momentum; AdamW: two moments
 

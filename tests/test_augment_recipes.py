@@ -14,7 +14,7 @@ from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as TF
 
 from hf_contrast import TwoViewAugmentation, augment
-from hf_contrast.model_card import describe_augmentation
+from hf_contrast.hub.model_card import describe_augmentation
 
 IDENTITY = dict(mean=(0, 0, 0), std=(1, 1, 1))
 

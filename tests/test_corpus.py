@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_contrast.corpus import false_negative_estimate
+from hf_contrast.models.corpus import false_negative_estimate
 from hf_contrast.trainer.checks import warn_narrow_corpus
 
 spec = importlib.util.spec_from_file_location("training_plan_corpus", Path(__file__).parents[1] / "training" / "plan.py")

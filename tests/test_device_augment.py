@@ -8,8 +8,8 @@ import torch
 from torchvision.transforms import RandomResizedCrop
 
 from hf_contrast import DeviceAugmentation, TwoViewAugmentation, write_shards
-from hf_contrast.shards import read_shard_sizes, resolve_shards
-from hf_contrast.streaming import StreamingTwoViewDataset
+from hf_contrast.data.shards import read_shard_sizes, resolve_shards
+from hf_contrast.data.streaming import StreamingTwoViewDataset
 
 
 def colour_images(n: int, size: int = 16) -> torch.Tensor:

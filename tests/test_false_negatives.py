@@ -123,7 +123,7 @@ def test_threshold_limits_the_top_k():
 
 def test_card_and_count_show_cancellation_and_the_measured_mean():
     from hf_contrast import EncoderCardData
-    from hf_contrast.negatives import negatives_per_anchor
+    from hf_contrast.models.negatives import negatives_per_anchor
 
     m = moco(false_negatives="eliminate", false_negative_top_k=10)
     card = EncoderCardData.from_model(m, per_device_batch_size=8, log_history=[{"loss": 1.0, "num_negatives": 5.25}])

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from test_hub_export import AUGMENTATION, EXPORT_FILES, shared_moco_run
 
 from hf_contrast import HubPushError, MoCoConfig, MoCoModel, push_encoder_to_hub
-from hf_contrast.hub import check_can_push
+from hf_contrast.hub.push import check_can_push
 
 TOKEN = "hf_test_token"
 REPO = "test-org/tiny-moco"

@@ -72,8 +72,8 @@ def test_no_module_is_too_long_to_read():
     assert not long, long
 
 
-@pytest.mark.parametrize("name", ["hf_contrast.trainer", "hf_contrast.export", "hf_contrast.model_card",
-                                  "hf_contrast.hub"])
+@pytest.mark.parametrize("name", ["hf_contrast.trainer", "hf_contrast.hub.export", "hf_contrast.hub.model_card",
+                                  "hf_contrast.hub.push"])
 def test_trainer_monitors_export_and_card_name_no_method_class(name):
     paths = [p for n, p in modules().items() if n == name or n.startswith(name + ".")]
     assert paths

@@ -17,7 +17,7 @@ from hf_contrast import (
     nt_xent_logits,
     peak_memory_bytes,
 )
-from hf_contrast.losses import contrastive_loss, cross_entropy
+from hf_contrast.models.losses import contrastive_loss, cross_entropy
 
 NEG_INF = float("-inf")
 

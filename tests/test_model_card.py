@@ -10,7 +10,7 @@ from huggingface_hub import ModelCard
 from test_hub_export import AUGMENTATION, shared_moco_run, train_tiny
 
 from hf_contrast import EncoderCardData, MoCoConfig, MoCoModel, SimCLRConfig, SimCLRModel
-from hf_contrast.negatives import negatives_per_anchor
+from hf_contrast.models.negatives import negatives_per_anchor
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_card_states_throughput_from_the_logged_windows_after_the_first():
 
 
 def test_training_curves_plot_every_logged_metric(tmp_path):
-    from hf_contrast.model_card import plot_training_curves
+    from hf_contrast.hub.model_card import plot_training_curves
 
     history = [{"loss": 4.0 - s / 10, "contrastive_top1": s / 10, "step": s} for s in range(1, 6)]
     assert plot_training_curves([{"train_runtime": 1.0, "step": 5}], tmp_path / "none.png") is None

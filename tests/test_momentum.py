@@ -44,7 +44,7 @@ def test_momentum_schedules():
 def test_queue_is_fifo_for_any_size(size, batches):
     """The queue the models use (``NegativeQueue.push``), for sizes that are not multiples of the batch and a
     batch larger than the queue: read from the pointer (the oldest), it holds the newest ``size`` keys in order."""
-    from hf_contrast.queue import NegativeQueue
+    from hf_contrast.models.queue import NegativeQueue
 
     queue = NegativeQueue(size, 1)
     written = []

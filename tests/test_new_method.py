@@ -27,7 +27,7 @@ from hf_contrast import (
     export_encoder,
     momentum_at,
 )
-from hf_contrast.backbone import build_encoder_and_head
+from hf_contrast.models.backbone import build_encoder_and_head
 
 TINY = dict(backbone="test_resnet", projection_hidden_dim=32, projection_dim=16, image_size=32)
 

@@ -19,8 +19,8 @@ from hf_contrast import (
     two_view_dataset,
     write_shards,
 )
-from hf_contrast.shards import read_shard_sizes, resolve_shards
-from hf_contrast.streaming import StreamingTwoViewDataset
+from hf_contrast.data.shards import read_shard_sizes, resolve_shards
+from hf_contrast.data.streaming import StreamingTwoViewDataset
 
 
 def jpeg(seed: int, size=(24, 20)) -> bytes:

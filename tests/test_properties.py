@@ -70,7 +70,7 @@ def test_high_temperature_tends_to_no_signal(seed, k):
 def test_negative_queue_is_a_bounded_deque_that_skips_rejected_pushes(size, pushes):
     """NegativeQueue.push (device pointer, index_copy_) against a deque: oldest first from the pointer, the
     valid slots are the deque's length, and a push with accept=False leaves everything as it was."""
-    from hf_contrast.queue import NegativeQueue
+    from hf_contrast.models.queue import NegativeQueue
 
     queue = NegativeQueue(size, 1)
     reference = deque(maxlen=size)

@@ -9,7 +9,7 @@ from conftest import TINY
 from safetensors.torch import load_file, save_file
 
 from hf_contrast import MoCoConfig, MoCoModel
-from hf_contrast.queue import NegativeQueue
+from hf_contrast.models.queue import NegativeQueue
 
 
 def moco(**kw):
@@ -161,8 +161,8 @@ def old_slice_terms(config, q, k, keys, ids, instance_ids, in_batch=None, rank=0
     positive in column 0) or MoCo v3 (``in_batch``: the other view's keys ``(M, D)``, then the queue).
     ``own_row``: ``keys`` are the step's own keys (MoCo v2's first step), row i of them is query i's
     positive and no negative. Returns ``(loss, per-row negatives or None)``."""
-    from hf_contrast.false_negatives import cancel_negatives, same_instance_mask, support_scores
-    from hf_contrast.losses import contrastive_loss, info_nce_logits, mocov3_logits
+    from hf_contrast.models.false_negatives import cancel_negatives, same_instance_mask, support_scores
+    from hf_contrast.models.losses import contrastive_loss, info_nce_logits, mocov3_logits
 
     t = config.temperature
     if in_batch is None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hf_contrast import write_shards
-from hf_contrast.shards import read_shard_sizes, resolve_shards
+from hf_contrast.data.shards import read_shard_sizes, resolve_shards
 
 
 def test_round_trip_through_streaming_webdataset(digits, tmp_path):

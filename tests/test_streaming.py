@@ -22,8 +22,8 @@ from hf_contrast import (
     two_view_dataset,
     write_shards,
 )
-from hf_contrast.shards import read_shard_sizes, resolve_shards
-from hf_contrast.streaming import StreamingError, StreamingTwoViewDataset
+from hf_contrast.data.shards import read_shard_sizes, resolve_shards
+from hf_contrast.data.streaming import StreamingError, StreamingTwoViewDataset
 
 SCRIPT = Path(__file__).parent / "streaming" / "stream_run.py"
 

@@ -18,7 +18,7 @@ import tomllib
 import transformers
 
 from hf_contrast import ContrastiveTrainer, ContrastiveTrainingArguments, MoCoModel, two_view_dataset
-from hf_contrast.configuration import MoCoConfig
+from hf_contrast.models.configuration import MoCoConfig
 from hf_contrast.trainer.checkpointing import COMPLETE_MARKER, CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -273,7 +273,7 @@ def test_loader_defaults_fit_a_cpu():
 
 def test_image_processor_of_an_export_loads_without_a_false_warning(tmp_path, capfd):
     from hf_contrast import export_encoder
-    from hf_contrast.export import load_image_processor
+    from hf_contrast.hub.export import load_image_processor
 
     model = MoCoModel(MoCoConfig(backbone="test_resnet", queue_size=32, projection_hidden_dim=32, projection_dim=16,
                                  image_size=32))

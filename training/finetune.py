@@ -32,7 +32,7 @@ from transformers import AutoModelForImageClassification, Trainer, TrainingArgum
 import hf_contrast
 from hf_contrast.cli import fit_loader_to_device, make_parser, use_numeric_progress
 from hf_contrast.data import find_image_column, to_rgb
-from hf_contrast.export import load_image_processor
+from hf_contrast.hub.export import load_image_processor
 
 logger = logging.getLogger("finetune")
 

@@ -33,7 +33,7 @@ from transformers import AutoModel
 
 from hf_contrast import knn_top1
 from hf_contrast.cli import make_parser
-from hf_contrast.export import load_image_processor
+from hf_contrast.hub.export import load_image_processor
 
 logger = logging.getLogger("linear_probe")
 

@@ -21,8 +21,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from hf_contrast.corpus import false_negative_estimate
 from hf_contrast.memory_probe import ActivationProbe, probe_activation_memory, training_state_bytes
+from hf_contrast.models.corpus import false_negative_estimate
 
 LOSS_COPIES = 4  # fp32 (2N, 2M) logits matrices the NT-Xent loss holds at its peak (measured: 3.5 to 4.3)
 CACHED_STEP_TIME = 4 / 3  # one extra forward without grad, about a third of a forward + backward
@@ -388,7 +388,7 @@ def false_negative_lines(queue_size: int, simclr_pool: int, dataset_size: int, n
     """The expected false negatives of the MoCo queue and the SimCLR pool on this corpus."""
     moco = false_negative_estimate(queue_size, dataset_size, num_classes, queued=True)
     simclr = false_negative_estimate(simclr_pool, dataset_size, num_classes, queued=False)
-    lines = ["False negatives (hf_contrast.corpus):", f"  MoCo queue: {moco.describe()}",
+    lines = ["False negatives (hf_contrast.models.corpus):", f"  MoCo queue: {moco.describe()}",
              f"  SimCLR in-batch: {simclr.describe()}"]
     lines.append(f"  Suggested queue size: {moco.suggested_pool:,} (own-image probability <= "
                  f"{moco.own_image_budget:.0%}; the same-class share, 1/C of the negatives, does not depend on it)")

@@ -81,7 +81,6 @@ from hf_contrast.cli import (
     set_help,
     use_numeric_progress,
 )
-from hf_contrast.configuration import check_timm_name, is_patch_backbone
 from hf_contrast.data import (
     DIGITS_MEAN,
     DIGITS_STD,
@@ -90,12 +89,13 @@ from hf_contrast.data import (
     eval_dataset,
     two_view_dataset,
 )
+from hf_contrast.data.preflight import check_images
+from hf_contrast.data.shards import read_shard_sizes, resolve_shards
+from hf_contrast.data.streaming import StreamingTwoViewDataset
 from hf_contrast.evaluation import recalibrate_batch_norm
-from hf_contrast.hub import check_can_push
-from hf_contrast.model_card import default_template_text
-from hf_contrast.preflight import check_images
-from hf_contrast.shards import read_shard_sizes, resolve_shards
-from hf_contrast.streaming import StreamingTwoViewDataset
+from hf_contrast.hub.model_card import default_template_text
+from hf_contrast.hub.push import check_can_push
+from hf_contrast.models.configuration import check_timm_name, is_patch_backbone
 from hf_contrast.trainer.checkpointing import RESUME_HELP, resume_target
 from hf_contrast.trainer.optim import LARS
 from hf_contrast.trainer.throughput import summarize_throughput
@@ -216,7 +216,7 @@ TRAINING_DEFAULTS = dict(
 
 def preflight_images(train: datasets.Dataset, test: datasets.Dataset | None, data: DataArguments):
     """Check every training and held-out image before any step (headers and file ends, no decode; see
-    :func:`hf_contrast.preflight.check_images`): more than ``--skip_bad_samples`` unreadable ones stop the
+    :func:`hf_contrast.data.preflight.check_images`): more than ``--skip_bad_samples`` unreadable ones stop the
     run here, naming them. Returns the held-out split without its unreadable images and the indices of the
     unreadable training images: both are left out of the kNN report (evaluation does not replace images)."""
     report = check_images(train, data.image_column, max_bad=data.skip_bad_samples)

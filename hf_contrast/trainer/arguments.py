@@ -28,7 +28,7 @@ class ContrastiveTrainingArguments(TrainingArguments):
             device and a convolutional backbone (not a ViT); ``True`` forces it, ``False`` turns it off.
         collapse_warning: warn when the loss sits at the no-signal value ``ln(K + 1)`` or the
             normalised embeddings collapse onto one direction.
-        device_augmentation: with a :class:`~hf_contrast.streaming.StreamingTwoViewDataset` or a
+        device_augmentation: with a :class:`~hf_contrast.data.streaming.StreamingTwoViewDataset` or a
             :class:`~hf_contrast.TwoViewDataset`, the workers only decode and resize to ``uint8`` and draw
             each view's parameters; both views are made in the training step on the model's device
             (:class:`~hf_contrast.DeviceAugmentation`, a few batched kernels).

@@ -6,7 +6,7 @@ import math
 
 from transformers import Trainer, TrainerCallback
 
-from ..momentum import momentum_at
+from ..models.momentum import momentum_at
 
 
 class MomentumCallback(TrainerCallback):

@@ -12,9 +12,9 @@ import datasets
 import torch
 from transformers.utils import logging
 
-from ..corpus import false_negative_estimate
-from ..negatives import negatives_per_anchor
-from ..streaming import StreamingTwoViewDataset
+from ..data.streaming import StreamingTwoViewDataset
+from ..models.corpus import false_negative_estimate
+from ..models.negatives import negatives_per_anchor
 
 logger = logging.get_logger("hf_contrast.trainer")
 
@@ -115,7 +115,7 @@ def log_setup(trainer) -> None:
 
 def warn_narrow_corpus(trainer) -> None:
     """Warn when the negative pool is a large fraction (>= 10%) of the training set: it then holds
-    earlier keys of the anchor's own image (MoCo) and many of its class (see :mod:`hf_contrast.corpus`)."""
+    earlier keys of the anchor's own image (MoCo) and many of its class (see :mod:`hf_contrast.models.corpus`)."""
     dataset = trainer.train_dataset
     if not hasattr(dataset, "__len__") or not len(dataset):
         return

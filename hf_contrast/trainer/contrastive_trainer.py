@@ -13,9 +13,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 
 from .. import distributed
-from ..device_augment import DeviceAugmentation
-from ..modeling_base import ContrastivePreTrainedModel
-from ..streaming import StreamingTwoViewDataset
+from ..data.device_augment import DeviceAugmentation
+from ..data.streaming import StreamingTwoViewDataset
+from ..models.base import ContrastivePreTrainedModel
 from .arguments import ContrastiveTrainingArguments
 from .callbacks import EpochCallback, MomentumCallback, StreamEpochCallback
 from .checkpointing import (
@@ -44,7 +44,7 @@ __all__ = ["ContrastiveTrainer"]
 
 
 class ContrastiveTrainer(Trainer):
-    """Trainer for any :class:`~hf_contrast.modeling_base.ContrastivePreTrainedModel` (:class:`MoCoModel`,
+    """Trainer for any :class:`~hf_contrast.models.base.ContrastivePreTrainedModel` (:class:`MoCoModel`,
     :class:`MoCoV3Model`, :class:`SimCLRModel`, or a method of your own: it asks only the method interface).
 
     It accepts any dataset whose items hold ``pixel_values`` and ``pixel_values_2`` tensors.
@@ -72,7 +72,7 @@ class ContrastiveTrainer(Trainer):
             )
         if isinstance(kwargs.get("train_dataset"), StreamingTwoViewDataset) and args.max_steps <= 0:
             raise ValueError(f"max_steps={args.max_steps}: a streamed train_dataset has no length, so training needs "
-                             "max_steps > 0 (pretrain.py: --max_steps N; hf_contrast.streaming.steps_for_epochs "
+                             "max_steps > 0 (pretrain.py: --max_steps N; hf_contrast.data.streaming.steps_for_epochs "
                              "gives the steps of a number of epochs)")
         super().__init__(model=model, args=args, **kwargs)
         self.has_queue = model.has_queue  # keys enqueued after each loss
@@ -100,7 +100,7 @@ class ContrastiveTrainer(Trainer):
 
     def get_train_dataloader(self):
         """Trainer's dataloader; for a :class:`StreamingTwoViewDataset` its own
-        :class:`~hf_contrast.streaming.StreamLoader`, never passed to ``accelerator.prepare``: Accelerate
+        :class:`~hf_contrast.data.streaming.StreamLoader`, never passed to ``accelerator.prepare``: Accelerate
         would dispatch every batch from rank 0 or shard the stream a second time."""
         if not isinstance(self.train_dataset, StreamingTwoViewDataset):
             return super().get_train_dataloader()
@@ -131,7 +131,7 @@ class ContrastiveTrainer(Trainer):
 
     def negatives_per_anchor(self) -> int:
         """Negatives each anchor will see once training runs (MoCo: with a full queue); see
-        :func:`hf_contrast.negatives.negatives_per_anchor`."""
+        :func:`hf_contrast.models.negatives.negatives_per_anchor`."""
         model = self.accelerator.unwrap_model(self.model)
         return model.negatives_per_anchor(self.args.per_device_train_batch_size, self.args.world_size)
 
@@ -213,7 +213,9 @@ class ContrastiveTrainer(Trainer):
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
         """Push the query encoder (timm format) with its model card, not the full checkpoint, to
         ``args.hub_model_id``; main process only. ``kwargs`` as :func:`hf_contrast.push_encoder_to_hub`."""
-        from ..hub import push_encoder_to_hub  # the Hub layer builds on the trainer's state: imported on use
+        from ..hub.push import (
+            push_encoder_to_hub,  # the Hub layer builds on the trainer's state: imported on use
+        )
 
         return push_encoder_to_hub(self, commit_message=commit_message or "End of training", **kwargs)
 

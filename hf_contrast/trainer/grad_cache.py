@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..losses import cross_entropy, nt_xent_logits
-from ..modeling_base import ContrastiveOutput
+from ..models.base import ContrastiveOutput
+from ..models.losses import cross_entropy, nt_xent_logits
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

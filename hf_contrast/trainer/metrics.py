@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import distributed
-from ..modeling_base import ContrastiveOutput
+from ..models.base import ContrastiveOutput
 
 
 class ContrastiveMetrics:

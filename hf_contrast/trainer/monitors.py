@@ -31,9 +31,9 @@ from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
 from .. import distributed
-from ..backbone import embedding_std
 from ..evaluation import extract_features, knn_top1
-from ..false_negatives import support_scores, top_k_false_negatives
+from ..models.backbone import embedding_std
+from ..models.false_negatives import support_scores, top_k_false_negatives
 from .diagnostics import alignment, key_consistency, parameter_drift, uniformity
 
 

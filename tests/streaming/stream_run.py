@@ -26,8 +26,8 @@ from hf_contrast import (
     TwoViewAugmentation,
     distributed,
 )
-from hf_contrast.shards import read_shard_sizes
-from hf_contrast.streaming import StreamingTwoViewDataset
+from hf_contrast.data.shards import read_shard_sizes
+from hf_contrast.data.streaming import StreamingTwoViewDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: stop_at
 from stop_at import StopAt  # noqa: E402

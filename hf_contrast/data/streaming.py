@@ -21,14 +21,14 @@ batch)``, so a resumed run sees exactly the batches of the uninterrupted one.
 
 Workers decode each image and resize it to a fixed ``source_size`` square (shorter side, then a
 centre crop; JPEGs are decoded at reduced size with PIL's draft mode), then either make the two
-views with the batched kernels of :mod:`hf_contrast.augment`, or, with ``device_augmentation``,
+views with the batched kernels of :mod:`hf_contrast.data.augment`, or, with ``device_augmentation``,
 stop there and ship ``uint8`` images with the views' parameters (drawn from the batch's seed) for
 :class:`~hf_contrast.DeviceAugmentation` to augment on the model's device.
 
 Unreadable data: :meth:`StreamingTwoViewDataset.configure` first walks the tar headers of local shards
-(:func:`hf_contrast.preflight.check_shards`: no image read) and names a truncated shard, or one whose
+(:func:`hf_contrast.data.preflight.check_shards`: no image read) and names a truncated shard, or one whose
 sample count differs from ``sizes.json``. A shard that fails while streaming raises
-:class:`~hf_contrast.preflight.ShardError` naming it and the sample position. An image that does not
+:class:`~hf_contrast.data.preflight.ShardError` naming it and the sample position. An image that does not
 decode raises naming its key, shard and position; with ``skip_bad_samples=N`` up to N distinct ones
 are replaced by the next decodable sample of the same batch (cyclically), so every batch keeps its
 size, every rank its step count, and, the batch being a pure function of ``(seed, epoch, slot,
@@ -49,8 +49,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .data import TwoViewAugmentation, find_image_column, square_resized, views_seed
+from .map_dataset import find_image_column, views_seed
 from .preflight import ShardError, UnreadableImageError, check_shards
+from .views import TwoViewAugmentation, square_resized
 
 _READ_CHUNK = 64  # raw samples fetched per datasets call
 
@@ -85,7 +86,7 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         seed: seeds the shard order, the shuffle buffer and the views.
         shuffle_buffer: samples per shuffle block.
         shard_sizes: samples per shard, in the dataset's shard order (``sizes.json``, see
-            :func:`hf_contrast.shards.read_shard_sizes`); counted with one pass over the raw
+            :func:`hf_contrast.data.shards.read_shard_sizes`); counted with one pass over the raw
             bytes when None.
         source_size: side of the fixed-size images the workers make; default ``image_size * 8 / 7``
             (256 for 224 px crops).
@@ -93,7 +94,7 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         skip_bad_samples: distinct undecodable images replaced (by the next decodable sample of their
             batch) and counted in :attr:`skipped_samples` before one raises; per process (rank).
         check_shards: walk the tar headers of local shards at :meth:`configure` (see
-            :func:`hf_contrast.preflight.check_shards`).
+            :func:`hf_contrast.data.preflight.check_shards`).
     """
 
     def __init__(self, dataset: datasets.IterableDataset, augmentation: TwoViewAugmentation,
@@ -440,7 +441,7 @@ class StreamLoader:
 
 
 _SHARD_FIX = ("Fix: write it again (hf_contrast.write_shards / training/write_shards.py) or remove it from "
-              "data_files and sizes.json; hf_contrast.preflight.check_shards(files, sizes) checks every shard "
+              "data_files and sizes.json; hf_contrast.data.preflight.check_shards(files, sizes) checks every shard "
               "before training.")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .trainer.throughput import summarize_throughput
+from ..trainer.throughput import summarize_throughput
 
 logger = logging.getLogger(__name__)
 

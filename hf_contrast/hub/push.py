@@ -16,7 +16,7 @@ from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from . import distributed
+from .. import distributed
 from .export import CONFIG_NAME, WEIGHTS_NAME, export_encoder, split_source
 
 logger = logging.getLogger(__name__)

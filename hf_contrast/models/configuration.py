@@ -34,19 +34,19 @@ def check_timm_name(name: str, field: str = "backbone") -> None:
     raise ValueError(f"{field}={name!r} is not a timm model name.{hint}")
 
 
-def _check(condition, field: str, value: Any, allowed: str) -> None:
+def _check(condition, field: str, value: Any, allowed: str, kind: Literal["int", "number"] | None = None) -> None:
     """Raise a ValueError naming the field, its value and what is allowed.
 
     ``condition`` may be a callable, evaluated here, so a value of the wrong type (a string where a
-    number belongs) fails with the same message instead of a bare TypeError.
+    number belongs) fails with the same message instead of a bare TypeError. ``kind="int"`` also requires an
+    ``int``, ``kind="number"`` an ``int`` or ``float``; neither accepts a ``bool``.
     """
     if callable(condition):
         try:
             condition = condition()
         except TypeError:
             condition = False
-    numeric = allowed.startswith(("an integer", "a float", "in ["))
-    if numeric and isinstance(value, bool) or allowed.startswith("an integer") and not isinstance(value, int):
+    if kind is not None and (isinstance(value, bool) or not isinstance(value, int if kind == "int" else (int, float))):
         condition = False
     if not condition:
         raise ValueError(f"{field}={value!r} is invalid: {field} must be {allowed}.")
@@ -104,11 +104,11 @@ class ContrastiveConfig(PreTrainedConfig):
         reserved = {"pretrained", "num_classes"} & set(self.backbone_kwargs)
         _check(not reserved, "backbone_kwargs", self.backbone_kwargs,
                "free of 'pretrained' and 'num_classes' (the encoder is always built headless, from scratch)")
-        _check(lambda: self.projection_hidden_dim >= 1, "projection_hidden_dim", self.projection_hidden_dim, "an integer >= 1")
-        _check(lambda: self.projection_dim >= 1, "projection_dim", self.projection_dim, "an integer >= 1")
-        _check(lambda: self.projection_layers >= 1, "projection_layers", self.projection_layers, "an integer >= 1")
-        _check(lambda: self.temperature > 0, "temperature", self.temperature, "a float > 0 (0.07 to 0.5 is usual)")
-        _check(lambda: self.image_size >= 1, "image_size", self.image_size, "an integer >= 1 (pixels)")
+        _check(lambda: self.projection_hidden_dim >= 1, "projection_hidden_dim", self.projection_hidden_dim, "an integer >= 1", kind="int")
+        _check(lambda: self.projection_dim >= 1, "projection_dim", self.projection_dim, "an integer >= 1", kind="int")
+        _check(lambda: self.projection_layers >= 1, "projection_layers", self.projection_layers, "an integer >= 1", kind="int")
+        _check(lambda: self.temperature > 0, "temperature", self.temperature, "a float > 0 (0.07 to 0.5 is usual)", kind="number")
+        _check(lambda: self.image_size >= 1, "image_size", self.image_size, "an integer >= 1 (pixels)", kind="int")
 
 
     def nominal_negatives(self, per_device_batch_size: int | None, world_size: int = 1) -> int | None:
@@ -119,11 +119,11 @@ class ContrastiveConfig(PreTrainedConfig):
                                   "world_size): the negatives each anchor is contrasted with")
 
     def _check_false_negative_fields(self) -> None:
-        _check(lambda: 0.0 <= self.tau_plus < 1.0, "tau_plus", self.tau_plus, "a float in [0, 1) (0: InfoNCE; 0.1 in the paper)")
+        _check(lambda: 0.0 <= self.tau_plus < 1.0, "tau_plus", self.tau_plus, "a float in [0, 1) (0: InfoNCE; 0.1 in the paper)", kind="number")
         _check(self.false_negatives in FALSE_NEGATIVE_MODES, "false_negatives", self.false_negatives,
                f"one of {FALSE_NEGATIVE_MODES}")
         _check(lambda: self.false_negative_top_k >= 1, "false_negative_top_k", self.false_negative_top_k,
-               "an integer >= 1 (10 in FNC)")
+               "an integer >= 1 (10 in FNC)", kind="int")
         _check(lambda: self.false_negative_threshold is None or -1.0 <= self.false_negative_threshold <= 1.0,
                "false_negative_threshold", self.false_negative_threshold, "None or a cosine in [-1, 1] (0.7 in FNC)")
         _check(not (self.tau_plus > 0 and self.false_negatives == "attract"), "tau_plus", self.tau_plus,
@@ -169,11 +169,11 @@ class MoCoConfig(ContrastiveConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        _check(lambda: self.queue_size >= 1, "queue_size", self.queue_size, "an integer >= 1 (65536 in MoCo)")
-        _check(lambda: 0.0 <= self.momentum <= 1.0, "momentum", self.momentum, "in [0, 1] (0.999 in MoCo v2, 0.99 in v3)")
+        _check(lambda: self.queue_size >= 1, "queue_size", self.queue_size, "an integer >= 1 (65536 in MoCo)", kind="int")
+        _check(lambda: 0.0 <= self.momentum <= 1.0, "momentum", self.momentum, "in [0, 1] (0.999 in MoCo v2, 0.99 in v3)", kind="number")
         _check(self.momentum_schedule in MOMENTUM_SCHEDULES, "momentum_schedule", self.momentum_schedule,
                f"one of {MOMENTUM_SCHEDULES}")
-        _check(lambda: self.key_bn_splits >= 1, "key_bn_splits", self.key_bn_splits, "an integer >= 1 (1: off)")
+        _check(lambda: self.key_bn_splits >= 1, "key_bn_splits", self.key_bn_splits, "an integer >= 1 (1: off)", kind="int")
 
     def nominal_negatives(self, per_device_batch_size: int | None, world_size: int = 1) -> int:
         """``queue_size``, whatever the batch (once the queue is full)."""
@@ -305,13 +305,13 @@ class MoCoV3Config(ContrastiveConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         _check(lambda: self.queue_size >= 0, "queue_size", self.queue_size,
-               "an integer >= 0 (0: no queue, the official MoCo v3; K > 0: K queued keys added to the in-batch ones)")
+               "an integer >= 0 (0: no queue, the official MoCo v3; K > 0: K queued keys added to the in-batch ones)", kind="int")
         _check(self.sync_batch_norm is None or isinstance(self.sync_batch_norm, bool), "sync_batch_norm",
                self.sync_batch_norm, "None (on with more than one process, as the official code), True or False")
         _check(lambda: self.predictor_hidden_dim >= 1, "predictor_hidden_dim", self.predictor_hidden_dim,
-               "an integer >= 1")
-        _check(lambda: self.predictor_layers >= 1, "predictor_layers", self.predictor_layers, "an integer >= 1")
-        _check(lambda: 0.0 <= self.momentum <= 1.0, "momentum", self.momentum, "in [0, 1] (0.99 in MoCo v3)")
+               "an integer >= 1", kind="int")
+        _check(lambda: self.predictor_layers >= 1, "predictor_layers", self.predictor_layers, "an integer >= 1", kind="int")
+        _check(lambda: 0.0 <= self.momentum <= 1.0, "momentum", self.momentum, "in [0, 1] (0.99 in MoCo v3)", kind="number")
         _check(self.momentum_schedule in MOMENTUM_SCHEDULES, "momentum_schedule", self.momentum_schedule,
                f"one of {MOMENTUM_SCHEDULES}")
 

@@ -1,4 +1,4 @@
-"""The momentum (EMA) key encoder update and its schedules (the queue is hf_contrast.queue.NegativeQueue)."""
+"""The momentum (EMA) key encoder update and its schedules (the queue is hf_contrast.models.queue.NegativeQueue)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ import tarfile
 
 import datasets
 
-from .data import find_image_column, to_rgb
+from .map_dataset import find_image_column
+from .views import to_rgb
 
 SIZES_FILE = "sizes.json"
 SHARD_PATTERN = "shard-{index:06d}.tar"

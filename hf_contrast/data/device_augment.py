@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .data import TwoViewAugmentation
+from .views import TwoViewAugmentation
 
 
 class DeviceAugmentation:

@@ -12,7 +12,7 @@ the cheap test is decoded in full, so an image with data after its end marker (e
 photo") is not reported: every file reported really fails to decode. Other formats are decoded in
 full. Damage inside the compressed data of a complete file is not seen by this check; the training
 path catches it: :class:`~hf_contrast.TwoViewDataset` and
-:class:`~hf_contrast.streaming.StreamingTwoViewDataset` name the file, and with
+:class:`~hf_contrast.data.streaming.StreamingTwoViewDataset` name the file, and with
 ``skip_bad_samples=N`` replace and count up to N of them. ``decode_sample=K`` also decodes K images
 spread over the dataset in full.
 
@@ -133,7 +133,7 @@ def check_image_value(value: dict, decode: bool = False) -> tuple[str | None, bo
 
 def _image_source(dataset, image_column: str | None):
     """``(datasets.Dataset, column, budget)`` of a dataset or a :class:`~hf_contrast.TwoViewDataset`."""
-    from .data import find_image_column
+    from .map_dataset import find_image_column  # map_dataset builds on this module
 
     budget = 0
     if not isinstance(dataset, datasets.Dataset) and hasattr(dataset, "dataset"):  # a TwoViewDataset
@@ -246,7 +246,7 @@ def check_shards(files: list[str], sizes: list[int] | None = None, num_threads: 
     Args:
         files: local tar paths.
         sizes: samples per shard in the same order (``sizes.json``, see
-            :func:`hf_contrast.shards.read_shard_sizes`); not compared when None.
+            :func:`hf_contrast.data.shards.read_shard_sizes`); not compared when None.
         num_threads: shards checked in parallel.
 
     Raises:

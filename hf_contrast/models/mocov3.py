@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from timm.layers import convert_sync_batchnorm
 from torch import nn
 
-from . import distributed
+from .. import distributed
 from .backbone import ProjectionHead, build_encoder_and_head
+from .base import ContrastiveOutput, ContrastivePreTrainedModel
 from .configuration import MoCoV3Config
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
 from .losses import _fp32_normalize, _no_autocast, _with_negatives, contrastive_loss
-from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .queue import NegativeQueue
 
 SYNC_BATCH_NORM_DEVICES = ("cuda", "xpu", "hpu")  # where torch's SyncBatchNorm runs across processes
@@ -40,12 +40,12 @@ class MoCoV3Model(ContrastivePreTrainedModel):
 
     ``q = predictor(projector(encoder(x)))`` for both views; the momentum side makes
     ``k = momentum_projector(momentum_encoder(x))`` under no_grad; the loss is
-    ``ctr(q1, k2) + ctr(q2, k1)`` with ``ctr`` of :func:`hf_contrast.losses.mocov3_loss`: each local
+    ``ctr(q1, k2) + ctr(q2, k1)`` with ``ctr`` of :func:`hf_contrast.models.losses.mocov3_loss`: each local
     query against the keys of the whole batch gathered over all processes (no gradient), labels
     offset by the rank, cross-entropy times ``2T``. ``N * W - 1`` negatives per query.
 
     With ``config.queue_size = K > 0`` (not in the official code) the model also owns MoCo v2's
-    :class:`~hf_contrast.queue.NegativeQueue` at ``queue``: each ``ctr`` appends the ``K_filled``
+    :class:`~hf_contrast.models.queue.NegativeQueue` at ``queue``: each ``ctr`` appends the ``K_filled``
     queued keys as extra negative columns (``N * W - 1 + K_filled`` negatives), both halves against
     the queue of before the step; the forward returns the keys of both views as ``queue_keys`` and
     the trainer enqueues them, gathered, once per micro-batch (``2 * N * W`` keys).
@@ -152,23 +152,10 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         """The momentum encoder's keys ``(N, D)`` of images ``(N, C, H, W)``, not normalised, not gathered."""
         return self.momentum_projector(self.momentum_encoder(x))  # (N, D)
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        pixel_values_2: torch.Tensor | None = None,
-        instance_ids: torch.Tensor | None = None,
-        return_loss: bool = True,
-        **kwargs,
-    ) -> ContrastiveOutput:
-        """``ctr(q1, k2) + ctr(q2, k1)``.
-
-        Args:
-            pixel_values: first views ``(N, C, H, W)``.
-            pixel_values_2: second views ``(N, C, H, W)``.
-            instance_ids: ``(N,)`` long, the dataset index of each image; used only with a queue: with
-                ``exclude_same_instance`` the queued keys of a query's own image are masked, and the ids
-                go into the queue with the keys. ``None``: unknown (nothing masked).
-            return_loss: compute the loss.
+    def forward(self, pixel_values: torch.Tensor, pixel_values_2: torch.Tensor | None = None,
+                instance_ids: torch.Tensor | None = None, return_loss: bool = True, **kwargs) -> ContrastiveOutput:
+        """``ctr(q1, k2) + ctr(q2, k1)`` (arguments as :meth:`ContrastivePreTrainedModel.forward`;
+        ``instance_ids`` matter only with a queue and ``exclude_same_instance``).
 
         Returns:
             :class:`ContrastiveOutput` with logits ``(2N, M + K)`` (queries of view 1, then of view 2,
@@ -220,7 +207,7 @@ class MoCoV3Model(ContrastivePreTrainedModel):
         queued keys of a query's own image (``exclude_same_instance``, ids ``queue_ids (K,)`` against
         ``instance_ids (2N,)``; written into the logits in place) and false-negative cancellation over
         in-batch and queued keys. The support set of a query is the query and its own key
-        ``k_own (2N, D)``, as in MoCo (see :mod:`hf_contrast.false_negatives`).
+        ``k_own (2N, D)``, as in MoCo (see :mod:`hf_contrast.models.false_negatives`).
         Returns ``(logits, labels, positive_mask, negatives, kept, removed)``; the last four are None
         without a queue and without cancellation (``positive_mask`` and ``removed`` without cancellation)."""
         exclude = self.config.exclude_same_instance and queue is not None and instance_ids is not None

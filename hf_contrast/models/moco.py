@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
-from . import distributed
+from .. import distributed
 from .backbone import build_encoder_and_head
+from .base import ContrastiveOutput, ContrastivePreTrainedModel
 from .configuration import MoCoConfig
 from .false_negatives import cancel_negatives, same_instance_mask, support_scores
 from .losses import _fp32_normalize, _no_autocast, _with_negatives, contrastive_loss, mask_negatives_
-from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 from .queue import NegativeQueue, upgrade_legacy_queue_state
 from .split_batch_norm import convert_split_batch_norm, split_batch_norm
 
@@ -30,7 +30,7 @@ class MoCoModel(ContrastivePreTrainedModel):
         key_encoder, key_projector: deep copies, ``requires_grad=False``, updated only by
             :meth:`momentum_update`. They run in the same train/eval mode as the query side and
             keep their own BatchNorm running statistics.
-        queue: the :class:`~hf_contrast.queue.NegativeQueue` (keys ``(queue_size, projection_dim)``,
+        queue: the :class:`~hf_contrast.models.queue.NegativeQueue` (keys ``(queue_size, projection_dim)``,
             their instance ids and entry steps, pointer, fill count), all buffers.
         queue_ptr, queue_filled: the queue's pointer and fill count as host ints.
 
@@ -76,7 +76,7 @@ class MoCoModel(ContrastivePreTrainedModel):
 
     @property
     def queue_ptr(self) -> int:
-        """The slot the next key is written to (host int; see :class:`~hf_contrast.queue.NegativeQueue`)."""
+        """The slot the next key is written to (host int; see :class:`~hf_contrast.models.queue.NegativeQueue`)."""
         return self.queue.pointer
 
     @property
@@ -146,23 +146,11 @@ class MoCoModel(ContrastivePreTrainedModel):
             k = self.key_projector(self.key_encoder(x[perm]))  # (B, D) in shuffled order (x[perm] keeps channels_last)
         return F.normalize(k.float(), dim=1)[torch.argsort(perm)]  # (B, D) back in the query's order
 
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        pixel_values_2: torch.Tensor | None = None,
-        instance_ids: torch.Tensor | None = None,
-        return_loss: bool = True,
-        **kwargs,
-    ) -> ContrastiveOutput:
-        """Contrast queries of view 1 with keys of view 2 and the queued negatives.
-
-        Args:
-            pixel_values: first views ``(B, C, H, W)``.
-            pixel_values_2: second views ``(B, C, H, W)``; required for the loss.
-            instance_ids: ``(B,)`` long, the dataset index of each image; with
-                ``exclude_same_instance`` the queued keys of a query's own image are masked, and the
-                ids go into the queue with the keys. ``None``: unknown (nothing masked).
-            return_loss: compute the loss.
+    def forward(self, pixel_values: torch.Tensor, pixel_values_2: torch.Tensor | None = None,
+                instance_ids: torch.Tensor | None = None, return_loss: bool = True, **kwargs) -> ContrastiveOutput:
+        """Contrast queries of view 1 with keys of view 2 and the queued negatives (arguments as
+        :meth:`ContrastivePreTrainedModel.forward`; with ``exclude_same_instance`` the queued keys of a
+        query's own image, by ``instance_ids``, are masked).
 
         Returns:
             :class:`ContrastiveOutput`; ``queue_keys`` / ``queue_instance_ids`` hold this batch's keys
@@ -190,7 +178,7 @@ class MoCoModel(ContrastivePreTrainedModel):
         )
 
     def _logits(self, q, k, negatives, valid, ids, negative_ids, stand_in, halves):
-        """Logits ``(A, 1 + K)`` and labels of :func:`~hf_contrast.losses.info_nce_logits` for ``A = halves * B``
+        """Logits ``(A, 1 + K)`` and labels of :func:`~hf_contrast.models.losses.info_nce_logits` for ``A = halves * B``
         queries ``q`` and keys ``k`` ``(A, D)``, in one buffer, with the unused slots and (``ids`` ``(A,)`` not
         None) the queued keys of a query's own image at ``-inf`` in place. With ``stand_in`` (a 0-d bool,
         training) the in-batch block ``q @ k.T / T`` of each half (its ``B`` queries against its ``B`` keys)
@@ -234,7 +222,7 @@ class MoCoModel(ContrastivePreTrainedModel):
         the first ``B`` negative columns while it is True (see the class docstring and :meth:`_logits`).
 
         Returns ``(logits (A, 1 + K), labels (A,), positive_mask, negatives (A,), kept (A,), removed (A,))``
-        (see :func:`~hf_contrast.false_negatives.cancel_negatives`); unused queue slots and masked
+        (see :func:`~hf_contrast.models.false_negatives.cancel_negatives`); unused queue slots and masked
         in-batch keys are ``-inf`` and not counted. ``positive_mask`` and ``removed`` are None without
         false-negative cancellation."""
         exclude = self.config.exclude_same_instance and instance_ids is not None

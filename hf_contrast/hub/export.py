@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .data import IMAGENET_MEAN, IMAGENET_STD
+from ..data.views import IMAGENET_MEAN, IMAGENET_STD
 from .model_card import CURVES_FILENAME, EncoderCardData, plot_training_curves
 
 logger = logging.getLogger(__name__)

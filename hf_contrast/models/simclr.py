@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from timm.layers import convert_sync_batchnorm
 
-from . import distributed
+from .. import distributed
 from .backbone import build_encoder_and_head
+from .base import ContrastiveOutput, ContrastivePreTrainedModel
 from .configuration import SimCLRConfig
 from .false_negatives import cancel_negatives, support_scores
 from .losses import contrastive_loss, nt_xent_logits
-from .modeling_base import ContrastiveOutput, ContrastivePreTrainedModel
 
 
 class SimCLRModel(ContrastivePreTrainedModel):
@@ -89,7 +89,7 @@ class SimCLRModel(ContrastivePreTrainedModel):
 
     def _cancel(self, logits, labels, z_a, z_b, candidates):
         """False-negative cancellation over the in-batch candidates; the support set of an anchor is
-        its image's two views (see :mod:`hf_contrast.false_negatives`)."""
+        its image's two views (see :mod:`hf_contrast.models.false_negatives`)."""
         excluded = torch.isneginf(logits)  # (2N, 2M) the anchor itself
         excluded[torch.arange(logits.shape[0], device=logits.device), labels] = True  # and its positive
         support = torch.stack([z_a, z_b], dim=1)  # (N, 2, D)

@@ -62,7 +62,7 @@ class ContrastivePreTrainedModel(PreTrainedModel):
     The method interface (defaults: an in-batch method without momentum encoder or queue). A method's
     ``forward(pixel_values, pixel_values_2, instance_ids=None)`` returns a :class:`ContrastiveOutput`; then:
 
-    - **a queue**: an attribute ``queue`` holding a :class:`~hf_contrast.queue.NegativeQueue` makes
+    - **a queue**: an attribute ``queue`` holding a :class:`~hf_contrast.models.queue.NegativeQueue` makes
       :attr:`has_queue` True; the trainer gathers ``outputs.queue_keys`` (and ``queue_instance_ids``) over the
       processes after the loss and calls :meth:`enqueue`; :attr:`queued_views` says how many keys per image
       enter (1, or 2 when both views are queued). The enqueue writes the buffer in place after the loss and
@@ -105,6 +105,20 @@ class ContrastivePreTrainedModel(PreTrainedModel):
         return self.encoder(pixel_values)
 
     # --- the method interface -------------------------------------------------------------------------------
+    def forward(self, pixel_values: torch.Tensor, pixel_values_2: torch.Tensor | None = None,
+                instance_ids: torch.Tensor | None = None, return_loss: bool = True, **kwargs) -> ContrastiveOutput:
+        """The method's contrastive forward (each method defines it).
+
+        Args:
+            pixel_values: first views ``(B, C, H, W)``.
+            pixel_values_2: second views ``(B, C, H, W)``; required for the loss.
+            instance_ids: ``(B,)`` long, the dataset index of each image (``TwoViewDataset`` items carry it as
+                ``instance_id``); methods with a queue store them with the keys and may mask a query's own
+                image. ``None``: unknown.
+            return_loss: compute the loss.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define forward(pixel_values, pixel_values_2, ...)")
+
     @property
     def has_queue(self) -> bool:
         """Whether the model keeps a queue of earlier keys (an attribute ``queue``, a ``NegativeQueue``)."""

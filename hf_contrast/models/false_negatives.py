@@ -7,7 +7,7 @@ anchor's image), the scores are aggregated over the support views (max or mean),
 ``top_k`` highest-scoring candidates (also above ``threshold`` when one is given: the code applies
 ``fn_topk`` and ``fn_threshold`` together) are taken as false negatives. They are then either
 removed from the denominator ("elimination") or also used as positives ("attraction": the
-multi-positive InfoNCE of :func:`hf_contrast.losses.multi_positive_info_nce`).
+multi-positive InfoNCE of :func:`hf_contrast.models.losses.multi_positive_info_nce`).
 
 Simplification here: the support set is the anchor's own two views (MoCo: the query and its key;
 SimCLR: both views of the anchor's image), not extra augmentations, and the aggregation is max.
