@@ -15,7 +15,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from hf_contrast import ContrastiveTrainer, ContrastiveTrainingArguments, MoCoConfig, MoCoModel
-from hf_contrast import split_batch_norm as split_batch_norm_module
+from hf_contrast.models import split_batch_norm as split_batch_norm_module
 from hf_contrast.models.split_batch_norm import SplitBatchNorm1d, SplitBatchNorm2d, split_batch_norm
 
 

@@ -31,7 +31,7 @@ CURVES_FILENAME = "training_curves.png"
 _CURVE_KEYS = (("loss", "contrastive loss"), ("contrastive_top1", "contrastive top-1"), ("knn_top1", "kNN top-1"))
 
 
-SOURCE_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / TEMPLATE_NAME  # in a source checkout
+SOURCE_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME  # in a source checkout (hub/ is two below)
 
 
 def default_template_text() -> str:

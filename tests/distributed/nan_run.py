@@ -50,8 +50,8 @@ def main(out_dir: str) -> None:
         error = str(e)
     with open(os.path.join(out_dir, f"nan_rank{distributed.rank()}.json"), "w") as f:
         json.dump({"error": error, "step": trainer.state.global_step}, f)
-    distributed.shutdown()  # as the other torchrun scripts: gloo can abort at exit otherwise
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    distributed.shutdown()  # the trainer unreferenced: collected before the process group goes (see shutdown)
