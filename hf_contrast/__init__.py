@@ -69,13 +69,8 @@ from .trainer.checkpointing import CheckpointError, check_checkpoint, last_compl
 from .trainer.diagnostics import alignment, key_consistency, parameter_drift, uniformity
 from .trainer.grad_cache import grad_cache_step
 from .trainer.metrics import ContrastiveMetrics
-from .trainer.monitors import (
-    FalseNegativeMonitor,
-    KNNMonitor,
-    QueueConsistencyMonitor,
-    RepresentationMonitor,
-    TrainingMonitor,
-)
+from .trainer.monitors import KNNMonitor, RepresentationMonitor, TrainingMonitor
+from .trainer.queue_monitors import FalseNegativeMonitor, QueueConsistencyMonitor
 from .trainer.throughput import ThroughputMeter, summarize_throughput
 
 AutoConfig.register(MoCoConfig.model_type, MoCoConfig, exist_ok=True)

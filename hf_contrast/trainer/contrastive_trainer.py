@@ -13,7 +13,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 
 from .. import distributed
-from ..data.device_augment import DeviceAugmentation
 from ..data.streaming import StreamingTwoViewDataset
 from ..models.base import ContrastivePreTrainedModel
 from .arguments import ContrastiveTrainingArguments
@@ -32,6 +31,8 @@ from .checkpointing import (
     save_stream_state,
 )
 from .checks import CollapseDetector, log_setup, validate_setup, warn_about_negatives
+from .data_hooks import DataHooks
+from .evaluation_hooks import EvaluationHooks
 from .grad_cache import grad_cache_step
 from .loss_guard import NonFiniteLossGuard
 from .metrics import ContrastiveMetrics
@@ -43,7 +44,7 @@ logger = logging.get_logger("hf_contrast.trainer")  # one name for the package: 
 __all__ = ["ContrastiveTrainer"]
 
 
-class ContrastiveTrainer(Trainer):
+class ContrastiveTrainer(DataHooks, EvaluationHooks, Trainer):
     """Trainer for any :class:`~hf_contrast.models.base.ContrastivePreTrainedModel` (:class:`MoCoModel`,
     :class:`MoCoV3Model`, :class:`SimCLRModel`, or a method of your own: it asks only the method interface).
 
@@ -92,42 +93,6 @@ class ContrastiveTrainer(Trainer):
             model.to(memory_format=torch.channels_last)
         validate_setup(self)  # the method's checks, the data, the step count: before any work
         warn_about_negatives(self)
-
-    def configure_stream(self) -> StreamingTwoViewDataset:
-        a = self.args
-        return self.train_dataset.configure(a.per_device_train_batch_size, a.process_index, a.world_size,
-                                            a.dataloader_num_workers, getattr(a, "device_augmentation", False))
-
-    def get_train_dataloader(self):
-        """Trainer's dataloader; for a :class:`StreamingTwoViewDataset` its own
-        :class:`~hf_contrast.data.streaming.StreamLoader`, never passed to ``accelerator.prepare``: Accelerate
-        would dispatch every batch from rank 0 or shard the stream a second time."""
-        if not isinstance(self.train_dataset, StreamingTwoViewDataset):
-            return super().get_train_dataloader()
-        a = self.args
-        return self.configure_stream().loader(
-            pin_memory=a.dataloader_pin_memory and torch.cuda.is_available(),
-            prefetch_factor=a.dataloader_prefetch_factor, multiprocessing_context=a.dataloader_multiprocessing_context)
-
-    def get_resumed_dataloader(self, dataloader, num_batches: int):
-        """A stream resumes from the position restored with the checkpoint, not by iterating
-        ``num_batches`` batches (which would decode and augment them all again)."""
-        if isinstance(self.train_dataset, StreamingTwoViewDataset):
-            return dataloader
-        return super().get_resumed_dataloader(dataloader, num_batches)
-
-    def _prepare_inputs(self, inputs):
-        """Trainer's device placement; then, for a device-augmentation batch (``images``, ``view_params``),
-        the two views made on the model's device (uint8 images and parameters copied without blocking)."""
-        if "view_params" not in inputs:
-            return super()._prepare_inputs(inputs)
-        inputs = dict(inputs)
-        device = self.args.device
-        raw = {k: inputs.pop(k).to(device, non_blocking=True) for k in ("images", "view_params")}
-        if getattr(self, "_device_augmentation", None) is None:  # made once: its constants are cached per device
-            layout = torch.channels_last if self.channels_last else torch.contiguous_format
-            self._device_augmentation = DeviceAugmentation(self.train_dataset.augmentation, memory_format=layout)
-        return self._device_augmentation.inputs({**self._prepare_input(inputs), **raw})  # the rest may be empty
 
     def negatives_per_anchor(self) -> int:
         """Negatives each anchor will see once training runs (MoCo: with a full queue); see
@@ -319,63 +284,6 @@ class ContrastiveTrainer(Trainer):
                 self._notify_enqueue(unwrapped, inputs, outputs)
             self.contrastive_metrics.update(outputs)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        """Trainer's, but keeping the last short batch: ``dataloader_drop_last`` (on by default, for a constant
-        number of negatives in training) must not leave images out of an evaluation."""
-        return self._keeping_last_batch(super().get_eval_dataloader, eval_dataset)
-
-    def get_test_dataloader(self, test_dataset):
-        """Trainer's, keeping the last short batch: :meth:`predict` returns one row per image."""
-        return self._keeping_last_batch(super().get_test_dataloader, test_dataset)
-
-    def _keeping_last_batch(self, make, dataset):
-        drop_last = self.args.dataloader_drop_last
-        self.args.dataloader_drop_last = False
-        try:
-            return make(dataset)
-        finally:
-            self.args.dataloader_drop_last = drop_last
-
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-        """One evaluation / prediction batch, read-only: the queue, the key encoder's EMA, BatchNorm
-        statistics and the training metrics are left as they were.
-
-        Returns ``(loss, embeddings, None)``: ``loss`` is the contrastive loss of the two views (``None``
-        when items have no ``pixel_values_2``), and ``embeddings`` are the query encoder's features
-        ``(B, F)`` of ``pixel_values`` (what the exported encoder gives), only when predictions are asked
-        for (:meth:`predict`). MoCo's ``(B, 1 + K)`` logits are never kept, so an evaluation over 10,000
-        images at ``K = 65536`` holds no 2.6 GB of logits. The contrastive metrics of the batch go into
-        the evaluation's running metrics (``eval_contrastive_top1``, ``eval_pos_cosine``...).
-        """
-        inputs = self._prepare_inputs(inputs)
-        loss, features = None, None
-        unwrapped = self.accelerator.unwrap_model(model)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            if "pixel_values_2" in inputs:
-                outputs = model(pixel_values=inputs["pixel_values"], pixel_values_2=inputs["pixel_values_2"])
-                loss = outputs.loss.detach().float()
-                self._eval_metrics.update(outputs)
-            if not prediction_loss_only:
-                features = unwrapped.encoder(inputs["pixel_values"]).float()  # (B, F)
-        return loss, features, None
-
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix: str = "eval"):
-        """Trainer's loop (global RNG state restored afterwards), with the contrastive metrics of the evaluated
-        pairs added as ``{metric_key_prefix}_contrastive_top1``, ``_pos_cosine``, ``_neg_cosine``, ``_embedding_std``,
-        ``_num_negatives`` (averaged over batches and processes)."""
-        self._eval_metrics = ContrastiveMetrics(self.accelerator.unwrap_model(self.model).config.temperature)
-        # The DataLoader draws its base seed from the global RNG: fork it, so that evaluating mid-training
-        # leaves the training run's random stream (split-BN permutations, dropout) exactly as it was.
-        devices = [self.args.device] if self.args.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                             metric_key_prefix)
-        if self._eval_metrics.count:
-            metrics = self._eval_metrics.compute_and_reset()
-            output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in metrics.items()})
-        return output
 
     def _notify_enqueue(self, model, inputs, outputs) -> None:
         """Call ``on_enqueue(model=, key_pixel_values=, keys=, state=)`` on every callback that has it.
