@@ -55,6 +55,9 @@ class SeedsArguments:
     subset_seed: int = field(default=0, metadata={"help": "Seed of the labelled subsets (the same for every run)."})
     probe_max_iter: int = field(default=300, metadata={"help": "L-BFGS iterations of the linear probe."})
     probe_l2: float = field(default=1e-4, metadata={"help": "Weight penalty of the linear probe."})
+    reuse_runs: bool = field(default=False, metadata={
+        "help": "Seeds whose OUTPUT_DIR/seed_S already holds a finished run (final/ and results.json) are "
+                "evaluated again, not retrained: finish an interrupted job, or change only the evaluation."})
 
 
 def balanced_subset(labels: torch.Tensor, fraction: float, seed: int = 0) -> torch.Tensor:
@@ -108,10 +111,18 @@ def parse(argv: list[str] | None):
         if not 0 < fraction <= 1:
             raise ValueError(f"--label_fractions: {fraction} must be in (0, 1]")
     for seed in args.seeds:  # unknown flags, bad values and used output folders stop here, before any run
+        if args.reuse_runs and finished(args, seed):
+            continue
         _, _, run_args, training_args = pretrain.build_parser().parse_args_into_dataclasses(args=run_argv(rest, args, seed))
         resume = pretrain.resume_target(training_args.resume_from_checkpoint, training_args.output_dir)
         pretrain.check_output_dir(training_args.output_dir, resume is not None, run_args.overwrite_output_dir)
     return args, rest
+
+
+def finished(args: SeedsArguments, seed: int) -> bool:
+    """Whether OUTPUT_DIR/seed_S holds a finished run: its final checkpoint and its results.json."""
+    folder = os.path.join(args.output_dir, f"seed_{seed}")
+    return os.path.isdir(os.path.join(folder, "final")) and os.path.isfile(os.path.join(folder, "results.json"))
 
 
 def run_argv(rest: list[str], args: SeedsArguments, seed: int) -> list[str]:
@@ -192,8 +203,9 @@ def markdown(summary: dict) -> str:
     beats = [k for k, v in summary["pretrained_beats_raw_pixels"].items() if v]
     lines += ["", "Pretrained beats raw pixels on the mean: " + (", ".join(beats) if beats else "in no row") + "."]
     for key, values in summary["wall_seconds"].items():
-        lines.append(f"Wall time, {key} per run: {', '.join(f'{v:.0f} s' for v in values)} "
-                     f"(mean {statistics.fmean(values) / 60:.1f} min).")
+        known = [v for v in values if v is not None]
+        lines.append(f"Wall time, {key} per run: {', '.join('n/a' if v is None else f'{v:.0f} s' for v in values)}"
+                     + (f" (mean {statistics.fmean(known) / 60:.1f} min)." if known else "."))
     return "\n".join(lines) + "\n"
 
 
@@ -206,15 +218,24 @@ def main(argv: list[str] | None = None) -> dict:
     for i, seed in enumerate(args.seeds):
         argv_seed = run_argv(rest, args, seed)
         logger.info(f"Run {i + 1}/{len(args.seeds)}, seed {seed}: python training/pretrain.py {' '.join(argv_seed)}")
+        path = os.path.join(args.output_dir, f"seed_{seed}", "results.json")
         start = time.perf_counter()
-        results = pretrain.main(argv_seed)
+        if args.reuse_runs and finished(args, seed):
+            with open(path) as f:
+                results = json.load(f)
+            pretrain_seconds = results.get("wall_seconds", {}).get("pretrain")  # None: the run did not record it
+            logger.info(f"Seed {seed}: reusing the finished run in {os.path.dirname(path)}")
+        else:
+            results = pretrain.main(argv_seed)
+            pretrain_seconds = time.perf_counter() - start
+            logger.info(f"Seed {seed}: pretrain.py took {pretrain_seconds / 60:.1f} min")
         middle = time.perf_counter()
-        logger.info(f"Seed {seed}: pretrain.py took {(middle - start) / 60:.1f} min; kNN and linear probes with "
-                    f"{', '.join(map(fraction_label, args.label_fractions))} of the labels")
+        logger.info(f"Seed {seed}: kNN and linear probes with {', '.join(map(fraction_label, args.label_fractions))} "
+                    "of the labels")
         per_seed[seed], label_counts = evaluate(argv_seed, args)
-        wall[seed] = {"pretrain": middle - start, "evaluation": time.perf_counter() - middle}
+        wall[seed] = {"pretrain": pretrain_seconds, "evaluation": time.perf_counter() - middle}
         results.update(frozen_features=per_seed[seed], wall_seconds=wall[seed])
-        with open(os.path.join(args.output_dir, f"seed_{seed}", "results.json"), "w") as f:
+        with open(path, "w") as f:
             json.dump(results, f, indent=2)
     summary = summarize(per_seed, wall, args, rest, label_counts)
     table = markdown(summary)
