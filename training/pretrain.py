@@ -385,10 +385,17 @@ def device_augmentation_default(training_args) -> bool:
     return torch.cuda.is_available() and not training_args.use_cpu
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def build_parser():
+    """The script's flag parser: the fields of the three dataclasses above and of
+    ``ContrastiveTrainingArguments``, with this script's training defaults."""
     parser = make_parser((ModelArguments, DataArguments, RunArguments, ContrastiveTrainingArguments))
     parser.set_defaults(**TRAINING_DEFAULTS)
     set_help(parser, "--resume_from_checkpoint", RESUME_HELP)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = build_parser()
     model_args, data_args, run_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     # Mistakes a flag or the disk shows, before any data, model or file: nothing is written if one fails.
     resume = resume_target(training_args.resume_from_checkpoint, training_args.output_dir)  # "last"/"true"/path
