@@ -126,6 +126,9 @@ def test_cli_prints_table_and_recommendation(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--num_devices", "0"])
     assert "--num_devices=0 is invalid" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's prefix matching would read it as --num_devices
+        plan.main(["--num_dev", "2"])
+    assert "unrecognized arguments: --num_dev" in capsys.readouterr().err
 
 
 def test_predict_step_is_the_plan_of_one_device():

@@ -1,6 +1,7 @@
 """Webdataset shards written from the embedded digits read back through datasets' streaming loader."""
 
 import json
+import sys
 
 import datasets
 import numpy as np
@@ -40,3 +41,19 @@ def test_image_folder_and_bad_arguments(tmp_path):
     assert sorted(r["cls"] for r in stream) == [0, 0, 0, 1, 1, 1]
     with pytest.raises(ValueError, match="images_per_shard"):
         write_shards(str(tmp_path / "img"), str(tmp_path / "x"), images_per_shard=0)
+
+
+def test_write_shards_script_refuses_abbreviated_flags_and_writes_the_digits(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "write_shards_script", Path(__file__).parents[1] / "training" / "write_shards.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its dataclass resolves annotations through sys.modules
+    spec.loader.exec_module(script)
+    with pytest.raises(ValueError, match="not used by the HfArgumentParser: \\['--images_per', '500'\\]"):
+        script.main(["--output_dir", str(tmp_path / "x"), "--images_per", "500"])  # prefix matching took it before
+    assert not (tmp_path / "x").exists()
+    paths = script.main(["--output_dir", str(tmp_path / "s"), "--split", "test", "--images_per_shard", "400"])
+    assert len(paths) == 3 and read_shard_sizes(paths) == [400, 400, 200]  # the 1,000 held-out digits

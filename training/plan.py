@@ -312,7 +312,8 @@ def format_plan(
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)  # --num_dev 2 is an error naming the flag, not --num_devices
     p.add_argument("--backbone", default="resnet50", help="timm architecture name")
     p.add_argument("--image_size", type=int, default=224)
     p.add_argument(

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import datasets
-from transformers import HfArgumentParser
 
 import hf_contrast
+from hf_contrast.cli import make_parser
 
 
 @dataclass
@@ -32,7 +32,7 @@ class ShardArguments:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    (args,) = HfArgumentParser(ShardArguments).parse_args_into_dataclasses(args=argv)
+    (args,) = make_parser(ShardArguments).parse_args_into_dataclasses(args=argv)  # no abbreviated flags
     if args.train_dir is not None:
         dataset = args.train_dir
     elif args.dataset_name is None:
