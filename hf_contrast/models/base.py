@@ -82,6 +82,7 @@ class ContrastivePreTrainedModel(PreTrainedModel):
     method_name: str | None = None  # "MoCo", "SimCLR"...: the logs and the model card (None: the class name)
     in_batch_negatives: bool = True  # negatives from the (gathered) batch; False: only from a queue (MoCo v2)
     momentum_schedule_offset: int = 0  # the EMA after optimizer step i uses the momentum of step i + offset
+    encode_keys_normalized: bool = False  # encode_keys() gives keys as queued: the queue monitors can re-encode them
 
     config_class = ContrastiveConfig
     base_model_prefix = "encoder"

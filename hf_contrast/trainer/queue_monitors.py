@@ -133,7 +133,7 @@ def require_queue(model, monitor: str) -> None:
             f"{monitor} measures a queue of keys from earlier steps, but this {model.describe()} model has no queue: its "
             "negatives are the current batch's, so there is no stale key to measure. Use KNNMonitor and "
             "RepresentationMonitor instead.")
-    if not getattr(model, "encode_keys_normalized", False):
+    if not model.encode_keys_normalized:
         raise ValueError(f"{monitor} re-encodes queued keys with encode_keys, whose output this {model.describe()} "
                          "model does not queue as is (MoCo v3's optional queue). Use KNNMonitor and "
                          "RepresentationMonitor with it.")
