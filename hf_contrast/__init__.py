@@ -13,7 +13,7 @@ The public API is every name in ``__all__`` below, imported from here (``from hf
   ``MomentumCallback``, ``NonFiniteLossError``, checkpoint helpers, ``grad_cache_step``, the monitors and
   diagnostics, ``ThroughputMeter``;
 - sharing (:mod:`hf_contrast.hub`): ``export_encoder``, ``push_encoder_to_hub``, ``EncoderCardData``;
-- evaluation (``knn_accuracy``, ``extract_features``), ``peak_memory_bytes``, and ``distributed``.
+- evaluation (``knn_accuracy``, ``extract_features``, ``recalibrate_batch_norm``: Precise BN), ``peak_memory_bytes``, and ``distributed``.
 
 Importing the package registers the three configurations and models with ``AutoConfig``/``AutoModel``.
 """
@@ -34,7 +34,7 @@ from .data.device_augment import DeviceAugmentation
 from .data.preflight import ShardError, UnreadableImageError, check_images, check_shards
 from .data.shards import write_shards
 from .data.streaming import StreamingError, StreamingTwoViewDataset, streaming_two_view_dataset
-from .evaluation import extract_features, knn_accuracy, knn_top1
+from .evaluation import extract_features, knn_accuracy, knn_top1, recalibrate_batch_norm
 from .hub.export import export_encoder
 from .hub.model_card import EncoderCardData
 from .hub.push import HubPushError, push_encoder_to_hub
@@ -136,6 +136,7 @@ __all__ = [
     "key_consistency",
     "knn_accuracy",
     "knn_top1",
+    "recalibrate_batch_norm",
     "last_complete_checkpoint",
     "load_default_dataset",
     "momentum_at",

@@ -82,12 +82,18 @@ def knn_accuracy(encoder: nn.Module | None, train_dataset, test_dataset, k: int 
 
 
 @torch.no_grad()
-def recalibrate_batch_norm(encoder: nn.Module, dataset, max_batches: int = 8, batch_size: int = 256) -> nn.Module:
+def recalibrate_batch_norm(encoder: nn.Module, dataset, max_batches: int = 8, batch_size: int = 256,
+                           seed: int = 0) -> nn.Module:
     """Re-estimate BatchNorm running statistics of ``encoder`` on ``dataset`` (items with
-    ``pixel_values``), as a cumulative average over up to ``max_batches`` batches. Weights are untouched.
+    ``pixel_values``), as a cumulative average over up to ``max_batches`` batches (Precise BN, Wu &
+    Johnson 2021, "Rethinking 'Batch' in BatchNorm"). Weights are untouched; the batches are drawn with a
+    generator seeded by ``seed`` (the global RNG is untouched). Returns ``encoder``.
 
-    A randomly initialised encoder evaluated with its initial running statistics (mean 0, var 1)
-    gives features that say nothing about it; a fair random-init baseline recalibrates first."""
+    Two uses: a randomly initialised encoder evaluated with its initial running statistics (mean 0,
+    var 1) gives features that say nothing about it, so a fair random-init baseline recalibrates
+    first; and a pretrained encoder's running statistics describe the augmented views it was trained
+    on (jittered brightness and contrast, crops), not the un-augmented images it will embed, so
+    ``training/pretrain.py`` re-estimates them on the training images before it saves and exports."""
     norms = [m for m in encoder.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not norms:
         return encoder
@@ -98,7 +104,8 @@ def recalibrate_batch_norm(encoder: nn.Module, dataset, max_batches: int = 8, ba
     was_training = encoder.training
     encoder.train()
     device = next(encoder.parameters()).device
-    for i, batch in enumerate(DataLoader(dataset, batch_size=batch_size, shuffle=True)):
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    for i, batch in enumerate(loader):
         if i == max_batches:
             break
         encoder(batch["pixel_values"].to(device))

@@ -101,3 +101,43 @@ def test_pretrain_mocov3_vit_runs_with_the_official_recipe(pretrain, tmp_path, m
     setup = next(r.getMessage() for r in caplog.records if "training images, augmentation" in r.getMessage())
     assert "augmentation mocov3 recipe: random resized crop to 32 px, scale (0.5, 1.0)" in setup
     assert "mocov3 recipe:" in card and "no blur, solarize p=0 (view 1) / 0.2 (view 2), no flip" in card
+
+
+@pytest.mark.parametrize("batches", [8, 0])
+def test_precise_bn_reestimates_the_saved_encoders_statistics(pretrain, digits, tmp_path, batches):
+    """--precise_bn_batches N (default 16): the encoder saved in final/ and exported carries BatchNorm statistics
+    of the un-augmented training images (the first BN's running mean is the mean of the first convolution over
+    exactly those images, 4 equal batches of 16), not those tracked on augmented views; 0 keeps the tracked ones."""
+    import timm
+    import torch
+    from safetensors.torch import load_file
+
+    from hf_contrast import AutoModel
+    from hf_contrast.data import DIGITS_MEAN, DIGITS_STD, TwoViewAugmentation, eval_dataset
+
+    results = pretrain.main([
+        "--backbone", "test_resnet", "--projection_hidden_dim", "32", "--max_train_samples", "64",
+        "--num_train_epochs", "2", "--per_device_train_batch_size", "16", "--queue_size", "32",
+        "--output_dir", str(tmp_path), "--save_strategy", "no", "--knn_k", "20", "--disable_tqdm", "True",
+        "--dataloader_num_workers", "0", "--knn_every_n_steps", "0", "--logging_steps", "4",
+        "--precise_bn_batches", str(batches),
+    ])
+    encoder = AutoModel.from_pretrained(tmp_path / "final").encoder.eval()
+    exported = timm.create_model("test_resnet", pretrained=False, num_classes=0)
+    exported.load_state_dict(load_file(tmp_path / "encoder" / "model.safetensors"))
+    conv, bn = encoder.conv1[0], encoder.conv1[1]  # test_resnet's deep stem: conv, BN, act, ...
+    assert isinstance(conv, torch.nn.Conv2d) and isinstance(bn, torch.nn.BatchNorm2d)
+    assert torch.equal(exported.conv1[1].running_mean, bn.running_mean)  # the export carries the same statistics
+    aug = TwoViewAugmentation.small_images(32, crop_scale=(0.5, 1.0), flip_p=0.0, mean=DIGITS_MEAN, std=DIGITS_STD)
+    clean = eval_dataset(digits["train"].select(range(64)), aug)  # pretrain.py's split: the first 64 of the same train
+    x = torch.stack([clean[i]["pixel_values"] for i in range(64)])  # (64, 3, 32, 32) un-augmented
+    with torch.no_grad():
+        first_mean = conv(x).mean((0, 2, 3))  # (C,) what the first BN sees over all 64 clean images
+    card = (tmp_path / "encoder" / "README.md").read_text()
+    if batches:
+        assert results["precise_bn_images"] == 64
+        torch.testing.assert_close(bn.running_mean, first_mean, atol=1e-5, rtol=1e-5)
+        assert "re-estimated on 64 un-augmented training images" in card
+    else:
+        assert "precise_bn_images" not in results and "re-estimated" not in card
+        assert (bn.running_mean - first_mean).abs().max() > 1e-2  # tracked on augmented views

@@ -179,6 +179,10 @@ class DataArguments:
                 "instead of stopping the run; 0: the first one stops it, named, before any step where possible."})
     knn_every_n_steps: int = field(
         default=100, metadata={"help": "Log knn_top1 on the held-out split every N steps (0: only at the end)."})
+    precise_bn_batches: int = field(default=16, metadata={
+        "help": "After training, re-estimate the encoder's BatchNorm statistics on up to N batches of un-augmented "
+                "training images (Precise BN) before it is saved, evaluated and exported: the statistics tracked "
+                "during training describe augmented views. 0: keep them."})
 
 
 @dataclass
@@ -470,10 +474,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             KNNMonitor(tr, te, every_n_steps=data_args.knn_every_n_steps, k=data_args.knn_k).attach(trainer)
     use_numeric_progress(trainer)  # {'loss': 2.38, ...}, not {'loss': '2.38', ...}
     trainer.train(resume_from_checkpoint=resume)
+    precise_images = precise_batch_norm(model, train, augmentation, data_args, training_args, unreadable)
     final_dir = os.path.join(training_args.output_dir, "final")
     trainer.save_model(final_dir)
 
-    results: dict[str, float] = {}
+    results: dict[str, float] = {"precise_bn_images": precise_images} if precise_images else {}
     history = [h for h in trainer.state.log_history if "loss" in h]
     if history:
         results["final_loss"] = history[-1]["loss"]
@@ -502,6 +507,26 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     return results
 
 
+def precise_batch_norm(model, train, augmentation, data_args: DataArguments, training_args, unreadable=frozenset()) -> int:
+    """Precise BN (``--precise_bn_batches``): re-estimate the BatchNorm statistics of ``model.encoder`` (the
+    encoder that is saved, judged and exported) on up to ``precise_bn_batches`` batches of the training images
+    through the evaluation transform, the same on every process (a seeded order). Returns the number of
+    images seen (0: skipped, as for a backbone without BatchNorm or a stream without a held-in pool)."""
+    norms = [m for m in model.encoder.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if data_args.precise_bn_batches <= 0 or train is None or not norms:
+        return 0
+    if unreadable:
+        train = train.select([i for i in range(len(train)) if i not in unreadable])
+    batch = training_args.per_device_train_batch_size
+    images = min(len(train), data_args.precise_bn_batches * batch)
+    recalibrate_batch_norm(model.encoder, eval_dataset(train, augmentation, data_args.image_column, label_column=None),
+                           max_batches=data_args.precise_bn_batches, batch_size=batch, seed=training_args.seed)
+    if training_args.process_index == 0:
+        logger.info(f"Precise BN: the encoder's {len(norms)} BatchNorm layers re-estimated on {images} un-augmented "
+                    "training images (--precise_bn_batches 0 keeps the statistics tracked on augmented views)")
+    return images
+
+
 def export_and_push(trainer, export_dir, augmentation, results, data_args, name, test, num_images,
                     push_args=None) -> None:
     """Export the encoder (timm format + model card) to ``export_dir``; push it when ``push_args`` is given."""
@@ -509,7 +534,7 @@ def export_and_push(trainer, export_dir, augmentation, results, data_args, name,
                                                         ("knn_raw_pixels", "raw pixels")) if key in results}
     export_encoder(
         trainer, export_dir, augmentation=augmentation, knn_top1=results.get("knn_pretrained"), knn_baselines=baselines,
-        knn_details=f"k={data_args.knn_k}, t=0.1, on {len(test)} held-out images" if "knn_pretrained" in results else None,
+        knn_details=knn_details(data_args, test, results) if "knn_pretrained" in results else None,
         datasets=[data_args.dataset_name] if data_args.dataset_name not in (None, "webdataset") else [],
         dataset_description=name, num_train_images=num_images,
         repo_id=push_args.hub_model_id if push_args is not None else None,
@@ -520,6 +545,14 @@ def export_and_push(trainer, export_dir, augmentation, results, data_args, name,
         info = push_encoder_to_hub(export_dir, push_args.hub_model_id, token=push_args.hub_token,
                                    private=push_args.hub_private_repo)
         print(f"Pushed to {info.commit_url}")
+
+
+def knn_details(data_args: DataArguments, test, results: dict) -> str:
+    """How the card's kNN top-1 was measured."""
+    details = f"k={data_args.knn_k}, t=0.1, on {len(test)} held-out images"
+    if results.get("precise_bn_images"):
+        details += f"; BatchNorm statistics re-estimated on {results['precise_bn_images']} un-augmented training images"
+    return details
 
 
 def no_signal_label(model) -> str:

@@ -225,15 +225,17 @@ class TwoViewDataset(torch.utils.data.Dataset):
 
 def eval_dataset(
     dataset: datasets.Dataset, augmentation: TwoViewAugmentation, image_column: str | None = None,
-    label_column: str = "label",
+    label_column: str | None = "label",
 ) -> datasets.Dataset:
-    """``dataset`` whose items are ``{"pixel_values", "labels"}``, deterministically transformed.
+    """``dataset`` whose items are ``{"pixel_values", "labels"}`` (``{"pixel_values"}`` with
+    ``label_column=None``: unlabelled images, e.g. for :func:`~hf_contrast.evaluation.recalibrate_batch_norm`),
+    deterministically transformed.
 
     Images are decoded in the transform, so an unreadable one raises
     :class:`~hf_contrast.data.preflight.UnreadableImageError` naming its file (datasets' own decoding would not).
     """
     column = find_image_column(dataset, image_column)
-    if label_column not in dataset.column_names:
+    if label_column is not None and label_column not in dataset.column_names:
         raise ValueError(f"label_column={label_column!r} is not a column of the dataset; its columns are {dataset.column_names}")
     pipeline = augmentation.eval_transform()
     feature = dataset.features.get(column)
@@ -244,7 +246,10 @@ def eval_dataset(
 
     def transform(batch):
         images = batch[column] if decode is None else [decode(value) for value in batch[column]]
-        return {"pixel_values": [pipeline(im) for im in images], "labels": batch[label_column]}
+        out = {"pixel_values": [pipeline(im) for im in images]}
+        if label_column is not None:
+            out["labels"] = batch[label_column]
+        return out
 
     return dataset.with_transform(transform)
 
