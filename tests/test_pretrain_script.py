@@ -60,8 +60,16 @@ def test_augmentation_per_method(pretrain):
     digits = build("mocov3", small)
     assert digits.recipe == "mocov3" and digits.overrides == {"crop_scale": (0.5, 1.0), "blur_p": (0.0, 0.0), "flip_p": 0.0}
     assert digits.view_solarize_p == (0.0, 0.2) and digits.mean == (0.5,) * 3
+    assert build("mocov3", pretrain.DataArguments(blur_p=0.3)).view_blur_p == (0.3, 0.3)  # --blur_p: both views
+    with pytest.raises(ValueError, match="blur_p"):
+        build("moco", pretrain.DataArguments(blur_p=1.5))
     for method in ("moco", "simclr"):
         assert build(method, small).recipe == "small_images" and build(method, small).view_solarize_p == (0.0, 0.0)
+        # the embedded digits keep MoCo v2's blur (3 taps at 32 px); another small dataset has none; --blur_p wins
+        assert build(method, small).view_blur_p == (0.5, 0.5) and build(method, small)._blur_kernel() == 3
+        assert build(method, pretrain.DataArguments(dataset_name="cifar10")).view_blur_p == (0.0, 0.0)
+        assert build(method, pretrain.DataArguments(train_dir="images")).view_blur_p == (0.0, 0.0)
+        assert build(method, pretrain.DataArguments(blur_p=0.0)).view_blur_p == (0.0, 0.0)
         v2 = build(method, large)
         assert v2.recipe == "mocov2" and v2.overrides == {"crop_scale": (0.5, 1.0)}  # the script's --crop_min_scale
     chosen = pretrain.DataArguments(augmentation="mocov2")  # --augmentation mocov2: MoCo v2's for mocov3 too
