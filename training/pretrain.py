@@ -178,7 +178,8 @@ class DataArguments:
                 "simclr on the embedded digits (kNN 0.908 vs 0.893 without on seed 1, see results/bisect)."})
     augmentation: str | None = field(default=None, metadata={
         "help": f"Augmentation recipe, one of {AUGMENTATION_RECIPES}; default: the method's (mocov3 for --method "
-                "mocov3, else mocov2). At --image_size <= 64 without blur (mocov2: small_images)."})
+                "mocov3, else mocov2). At --image_size <= 64 without blur (mocov2: small_images), except on the embedded "
+                "digits (see --blur_p)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training split."})
     knn_k: int = field(default=200, metadata={"help": "Neighbours of the kNN monitor."})
     skip_bad_samples: int = field(default=0, metadata={
