@@ -449,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     else:
         train, test, name = load_splits(data_args)
         test, unreadable = preflight_images(train, test, data_args)  # unreadable files named before any step
+    # the training images that evaluation and Precise BN may decode (they do not replace unreadable ones)
+    readable = train.select([i for i in range(len(train)) if i not in unreadable]) if unreadable else train
     digits = data_args.dataset_name is None and data_args.train_dir is None
     mean, std = (DIGITS_MEAN, DIGITS_STD) if digits else (IMAGENET_MEAN, IMAGENET_STD)
     augmentation = build_augmentation(model_args.method, data_args, mean, std, explicit_flags(argv))
@@ -484,14 +486,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     labelled = test is not None and train is not None and data_args.label_column in train.column_names
     if labelled:
-        readable = train.select([i for i in range(len(train)) if i not in unreadable]) if unreadable else train
         tr = eval_dataset(readable, augmentation, data_args.image_column, data_args.label_column)
         te = eval_dataset(test, augmentation, data_args.image_column, data_args.label_column)
         if data_args.knn_every_n_steps > 0:  # knn_top1 in the logs and in the model card's curves
             KNNMonitor(tr, te, every_n_steps=data_args.knn_every_n_steps, k=data_args.knn_k).attach(trainer)
     use_numeric_progress(trainer)  # {'loss': 2.38, ...}, not {'loss': '2.38', ...}
     trainer.train(resume_from_checkpoint=resume)
-    precise_images = precise_batch_norm(model, train, augmentation, data_args, training_args, unreadable)
+    precise_images = precise_batch_norm(model, readable, augmentation, data_args, training_args)
     final_dir = os.path.join(training_args.output_dir, "final")
     trainer.save_model(final_dir)
 
@@ -524,16 +525,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     return results
 
 
-def precise_batch_norm(model, train, augmentation, data_args: DataArguments, training_args, unreadable=frozenset()) -> int:
+def precise_batch_norm(model, train, augmentation, data_args: DataArguments, training_args) -> int:
     """Precise BN (``--precise_bn_batches``): re-estimate the BatchNorm statistics of ``model.encoder`` (the
-    encoder that is saved, judged and exported) on up to ``precise_bn_batches`` batches of the training images
-    through the evaluation transform, the same on every process (a seeded order). Returns the number of
+    encoder that is saved, judged and exported) on up to ``precise_bn_batches`` batches of the readable training
+    images ``train`` through the evaluation transform, the same on every process (a seeded order). Returns the number of
     images seen (0: skipped, as for a backbone without BatchNorm or a stream without a held-in pool)."""
     norms = [m for m in model.encoder.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     if data_args.precise_bn_batches <= 0 or train is None or not norms:
         return 0
-    if unreadable:
-        train = train.select([i for i in range(len(train)) if i not in unreadable])
     batch = training_args.per_device_train_batch_size
     images = min(len(train), data_args.precise_bn_batches * batch)
     recalibrate_batch_norm(model.encoder, eval_dataset(train, augmentation, data_args.image_column, label_column=None),
