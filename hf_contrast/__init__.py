@@ -8,7 +8,7 @@ The public API is every name in ``__all__`` below, imported from here (``from hf
   ``negatives_per_anchor``, ``false_negative_estimate``;
 - data (:mod:`hf_contrast.data`): ``TwoViewAugmentation``, ``two_view_dataset``, ``TwoViewDataset``,
   ``StreamingTwoViewDataset``, ``DeviceAugmentation``, ``write_shards``, ``check_images``/``check_shards``,
-  ``load_default_dataset``, the batched kernels as ``augment``;
+  ``load_default_dataset``, ``load_idx_dataset`` (Fashion-MNIST's local files), the batched kernels as ``augment``;
 - training (:mod:`hf_contrast.trainer`): ``ContrastiveTrainer``, ``ContrastiveTrainingArguments``,
   ``MomentumCallback``, ``NonFiniteLossError``, checkpoint helpers, ``grad_cache_step``, the monitors and
   diagnostics, ``ThroughputMeter``;
@@ -28,6 +28,7 @@ from .data import (
     eval_dataset,
     find_image_column,
     load_default_dataset,
+    load_idx_dataset,
     two_view_dataset,
 )
 from .data.device_augment import DeviceAugmentation
@@ -138,6 +139,7 @@ __all__ = [
     "knn_top1",
     "last_complete_checkpoint",
     "load_default_dataset",
+    "load_idx_dataset",
     "momentum_at",
     "mocov3_logits",
     "mocov3_loss",

