@@ -22,6 +22,8 @@ def test_pretrain_runs_and_reports(pretrain, tmp_path, capsys):
     assert results["no_signal_loss"] == pytest.approx(math.log(129))
     assert results["final_loss"] < results["no_signal_loss"]
     assert json.loads((tmp_path / "results.json").read_text()) == results
+    history = json.loads((tmp_path / "log_history.json").read_text())  # every logged entry, knn_top1 included
+    assert [h["step"] for h in history if "knn_top1" in h] == list(range(8, 65, 8)) and any(h.get("train_runtime", 0) > 0 for h in history)
     assert (tmp_path / "final" / "model.safetensors").exists()
     assert (tmp_path / "encoder" / "training_curves.png").exists()
     card = (tmp_path / "encoder" / "README.md").read_text()

@@ -564,6 +564,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print_report(results, final_dir, model)
         with open(os.path.join(training_args.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
+        with open(os.path.join(training_args.output_dir, "log_history.json"), "w") as f:  # the curves, as logged
+            json.dump(trainer.state.log_history, f)
         export_and_push(trainer, export_dir, augmentation, results, data_args, name, test, num_images,
                         training_args if push_to_hub else None)
     return results

@@ -1,0 +1,60 @@
+"""benchmarks/fashion_mnist.py --quick: the benchmark's whole path (pretrain.py, export, AutoModel features,
+kNN and probes, fine-tuning in transformers, baselines, summary) on a 2,000-image subset, and its resume."""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_contrast.data.idx_dataset import FASHION_MNIST_DIR
+
+ROOT = Path(__file__).parents[1]
+PRESENT = os.path.isfile(os.path.join(FASHION_MNIST_DIR, "train-images-idx3-ubyte.gz"))
+pytestmark = pytest.mark.skipif(
+    not PRESENT and not os.environ.get("HF_CONTRAST_REQUIRE_FASHION_MNIST"),  # .ci/run installs it and sets this
+    reason=f"Fashion-MNIST not installed in {FASHION_MNIST_DIR} (apt-get install dataset-fashion-mnist)")
+
+
+@pytest.fixture(scope="module")
+def benchmark(pretrain):
+    spec = importlib.util.spec_from_file_location("fashion_mnist_benchmark", ROOT / "benchmarks" / "fashion_mnist.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fashion_mnist_benchmark"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_benchmark_end_to_end_and_resume(benchmark, tmp_path, capsys):
+    summary = benchmark.main(["--quick", "--output_dir", str(tmp_path)])
+    runs = tmp_path / "results" / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == ["moco_s0", "random_init", "raw_pixels", "supervised"]
+    moco = json.loads((runs / "moco_s0" / "result.json").read_text())
+    random_init = json.loads((runs / "random_init" / "result.json").read_text())
+    raw = json.loads((runs / "raw_pixels" / "result.json").read_text())
+    for row in (moco, random_init, raw):
+        assert set(row["knn"]) == set(row["probe"]) == {"1%", "10%", "100%"}
+        assert all(0.0 <= v <= 1.0 for metric in ("knn", "probe") for v in row[metric].values())
+    assert moco["knn"]["100%"] > random_init["knn"]["100%"]  # pretraining learned something on its subset
+    assert {"1%", "10%"} <= set(moco["finetune"]) and {"1%", "10%"} <= set(random_init["finetune"])
+    assert moco["pretrain_minutes"] > 0 and moco["images_per_second"] > 0 and moco["epochs"] == pytest.approx(3)
+    assert 0 < moco["validation_knn"] <= 1 and moco["pretrain_flags"][:2] == ["--method", "moco"]
+    assert (runs / "moco_s0" / "model_card.md").exists() and (runs / "moco_s0" / "training_curves.png").exists()
+    supervised = json.loads((runs / "supervised" / "result.json").read_text())
+    assert 0.1 < supervised["accuracy"] <= 1  # above chance after one epoch on 2,000 labels
+    assert summary["rows"]["moco"]["knn 100%"][0] == pytest.approx(moco["knn"]["100%"])
+    assert "| raw_pixels |" in (tmp_path / "results" / "summary.md").read_text()
+    # the 1% subset: 2 labels per class of the 2,000 images, the same for every row
+    assert len(benchmark.balanced_subset(benchmark.Data(benchmark.parse(["--quick"])).train_y, 0.01)) == 20
+    capsys.readouterr()
+
+    again = benchmark.main(["--quick", "--output_dir", str(tmp_path)])  # resumable: every row is skipped
+    assert capsys.readouterr().out.count("finished earlier") == 4
+    assert again["rows"] == summary["rows"]
+
+
+def test_unknown_row_is_refused(benchmark, tmp_path):
+    with pytest.raises(SystemExit, match="--only mocov4: not a row; the rows are moco_s0, raw_pixels"):
+        benchmark.main(["--quick", "--output_dir", str(tmp_path), "--only", "mocov4"])
