@@ -86,6 +86,7 @@ def run_pretrain(name: str, flags: list[str], args) -> dict:
                 "--validation_size", str(args.validation_size), "--output_dir", str(folder), "--disable_tqdm", "true",
                 *flags, *resume, *overwrite]
         folder.mkdir(parents=True, exist_ok=True)
+        (folder / "flags.txt").write_text(" ".join(flags) + "\n")
         print(f"[{name}] {' '.join(argv[1:])}", flush=True)
         start = time.perf_counter()
         with open(folder / "train.log", "a") as log:
@@ -103,11 +104,18 @@ class Data:
     """All labelled images of the benchmark, loaded once: the train split (every label fraction draws from
     it) and the test split, with class-balanced subsets of the training labels."""
 
-    def __init__(self, args):
-        splits = load_idx_dataset(args.idx_dir)
-        self.train, self.test = splits["train"], splits["test"]
+    def __init__(self, args, validation: bool = False):
+        if validation:  # pretrain.py's own split: its 55,000 training images and the 5,000 held out
+            from pretrain import DataArguments, load_splits
+
+            self.train, self.test, _ = load_splits(DataArguments(idx_dir=args.idx_dir,
+                                                                 validation_size=args.validation_size))
+        else:
+            splits = load_idx_dataset(args.idx_dir)
+            self.train, self.test = splits["train"], splits["test"]
         if args.quick:
-            self.train, self.test = self.train.select(range(QUICK["train"])), self.test.select(range(QUICK["test"]))
+            self.train = self.train.select(range(min(QUICK["train"], len(self.train))))
+            self.test = self.test.select(range(min(QUICK["test"], len(self.test))))
         self.label_names = self.train.features["label"].names
         self.train_y = torch.as_tensor(self.train["label"])  # (N,)
         self.test_y = torch.as_tensor(self.test["label"])  # (M,)
@@ -254,6 +262,36 @@ def summarize(args) -> dict:
     return summary
 
 
+def validate(names: list[str], args) -> dict:
+    """Validation scores (kNN and probe, 1% and 100% of the labels, on the 5,000 held-out training images
+    with the other 55,000 as the labelled pool) of finished runs in OUTPUT_DIR/val/NAME or OUTPUT_DIR/runs/NAME:
+    the numbers every recipe choice is made on. Appended to RESULTS_DIR/validation.json; the test set is not read."""
+    data = Data(args, validation=True)
+    path = Path(args.results_dir) / "validation.json"
+    table = json.loads(path.read_text()) if path.exists() else {}
+    for name in names:
+        if name == "raw_pixels":
+            table[name] = frozen_scores(data.pixels(data.train), data.pixels(data.test), data)
+            print(f"[validate raw_pixels] {json.dumps(table[name])}", flush=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=2) + "\n")
+            continue
+        folder = next((f for f in (Path(args.output_dir) / "val" / name, Path(args.output_dir) / "runs" / name)
+                       if (f / "encoder").exists()), None)
+        if folder is None:
+            raise SystemExit(f"--validate {name}: no OUTPUT_DIR/val/{name}/encoder or OUTPUT_DIR/runs/{name}/encoder")
+        train_x, test_x = encoder_features(str(folder / "encoder"), data)
+        results = json.loads((folder / "results.json").read_text())
+        history = json.loads((folder / "log_history.json").read_text()) if (folder / "log_history.json").exists() else []
+        table[name] = dict(**frozen_scores(train_x, test_x, data), flags=(folder / "flags.txt").read_text().split()
+                           if (folder / "flags.txt").exists() else None, images_per_second=results.get("images_per_second"),
+                           train_runtime=next((h["train_runtime"] for h in history if "train_runtime" in h), None))
+        print(f"[validate {name}] " + json.dumps({k: table[name][k] for k in ("knn", "probe")}), flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=2) + "\n")
+    return table
+
+
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--idx_dir", default=FASHION_MNIST_DIR, help="The four Fashion-MNIST idx files.")
@@ -262,6 +300,9 @@ def parse(argv):
     parser.add_argument("--results_dir", default=None, help="Per-run JSON, cards, curves and the summary; default: "
                         "results/fashion_mnist (--quick: OUTPUT_DIR/results).")
     parser.add_argument("--only", nargs="+", default=None, help="Run only these rows (e.g. moco_s0 raw_pixels).")
+    parser.add_argument("--validate", nargs="+", default=None, metavar="NAME",
+                        help="Score finished runs (OUTPUT_DIR/val/NAME or OUTPUT_DIR/runs/NAME) on the validation split "
+                        "only, for recipe choices; nothing else runs.")
     parser.add_argument("--quick", action="store_true", help=f"A {QUICK['train']}-image subset with a tiny backbone "
                         "(the CI test).")
     args = parser.parse_args(argv)
@@ -273,6 +314,8 @@ def parse(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    if args.validate:
+        return validate(args.validate, args)
     data = Data(args)
     runs = pretrain_runs(args.quick)
     names = [*runs, "raw_pixels", "random_init", "supervised"]

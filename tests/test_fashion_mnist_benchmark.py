@@ -54,6 +54,33 @@ def test_quick_benchmark_end_to_end_and_resume(benchmark, tmp_path, capsys):
     assert capsys.readouterr().out.count("finished earlier") == 4
     assert again["rows"] == summary["rows"]
 
+    # recipe choices are scored on pretrain.py's own validation split, never on the test set
+    validation = benchmark.main(["--quick", "--output_dir", str(tmp_path), "--validate", "moco_s0", "raw_pixels"])
+    assert set(validation) == {"moco_s0", "raw_pixels"} and set(validation["moco_s0"]["knn"]) == {"1%", "10%", "100%"}
+    assert validation["moco_s0"]["flags"][:2] == ["--method", "moco"]
+    assert json.loads((tmp_path / "results" / "validation.json").read_text()) == validation
+    data = benchmark.Data(benchmark.parse(["--quick"]), validation=True)
+    test = benchmark.Data(benchmark.parse(["--quick"]))
+    assert not set(data.test["image"][i].tobytes() for i in range(50)) & set(test.test["image"][i].tobytes()
+                                                                            for i in range(50))
+
+
+def test_sweep_configurations():
+    """The queue-or-batch sweep: five queues and three SimCLR batches on the headline recipe, whose length the
+    time budget replaces; SimCLR's learning rate scales with its batch."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fashion_mnist_sweep as sweep
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    configs = sweep.configurations()
+    assert list(configs) == ["queue_256", "queue_1024", "queue_4096", "queue_16384", "queue_65536",
+                             "simclr_batch_128", "simclr_batch_256", "simclr_batch_512"]
+    assert configs["simclr_batch_512"][-1] == "0.12" and sweep.batch_of(configs["simclr_batch_512"]) == 512
+    assert sweep.batch_of(configs["queue_4096"]) == 256
+    assert "--num_train_epochs" not in sweep.SWEEP_RECIPE and "--knn_every_n_steps" not in sweep.SWEEP_RECIPE
+    assert sweep.SWEEP_RECIPE == ["--crop_min_scale", "0.2", "--horizontal_flip", "--temperature", "0.2"]
+
 
 def test_unknown_row_is_refused(benchmark, tmp_path):
     with pytest.raises(SystemExit, match="--only mocov4: not a row; the rows are moco_s0, raw_pixels"):
