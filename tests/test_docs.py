@@ -142,11 +142,8 @@ def _load_script(path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
+    sys.path.insert(0, str(path.parent))  # script_options puts sys.path back
+    spec.loader.exec_module(module)
     return module
 
 
@@ -181,7 +178,7 @@ def script_options(script: str) -> frozenset[str] | None:
     path = ROOT / script
     if not path.is_file():
         return None
-    added = set(sys.modules)
+    added, search_path = set(sys.modules), list(sys.path)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             options = _options(_parser_of(_load_script(path), path))
@@ -191,7 +188,8 @@ def script_options(script: str) -> frozenset[str] | None:
         options = set(FLAG.findall(out))
         if not options:
             raise
-    finally:  # forget the scripts imported as modules (not the libraries they pulled in)
+    finally:  # forget the scripts imported as modules (not the libraries they pulled in) and their sys.path
+        sys.path[:] = search_path
         for name in set(sys.modules) - added:
             file = getattr(sys.modules[name], "__file__", None) or ""
             if name.startswith("_docs_") or Path(file).parent in (ROOT / "training", ROOT / "benchmarks"):
@@ -373,6 +371,17 @@ python training/seeds.py --seeds 0 1 --blur_p 0.5 && python benchmarks/step_time
 
 Set `--blur_p P`; see [the guide](docs/training.md#the-default-job) and [results](results/bisect/).
 """
+
+
+def test_reading_the_parsers_leaves_no_trace():
+    before_path, before_modules = list(sys.path), set(sys.modules)
+    script_options.cache_clear()
+    assert "--queue_size" in script_options("training/pretrain.py") and "--smoke" in script_options(
+        "benchmarks/gpu_check.py")
+    assert "--blur_p" in script_options("training/seeds.py")  # passed through to pretrain.py
+    assert script_options("training/false_negative_report.py") == {"-h", "--help"}  # positional only
+    assert sys.path == before_path
+    assert not [m for m in set(sys.modules) - before_modules if m.startswith("_docs_") or m in ("pretrain", "seeds")]
 
 
 def test_planted_unknown_flags_are_reported():
