@@ -9,7 +9,8 @@ Runs go eager first (every method), then compiled; what does not fit ``--budget_
     python benchmarks/gpu_e2e.py --smoke               # CPU, tiny models, fp32: under a minute
 
 1. A synthetic corpus of photo-like JPEGs (250-500 px, random sizes and aspect ratios, smooth gradients,
-   soft shapes and sensor noise) is written as webdataset shards with :func:`hf_contrast.write_shards`.
+   soft shapes and sensor noise) is written as webdataset shards with :func:`hf_contrast.write_shards`
+   (``gpu_e2e_corpus.py``).
 2. ``training/pretrain.py --dataset_name webdataset --data_files ... --streaming`` runs as a subprocess, as
    a user runs it, for each method: device augmentation, bf16, channels_last (each flag passed only
    where pretrain.py has it), then compiled (``--torch_compile``) for the methods of ``--compile``.
@@ -18,8 +19,8 @@ Runs go eager first (every method), then compiled; what does not fit ``--budget_
    ``log``: the Trainer's ``images_per_second`` keys in ``log_history`` (with ``data_wait_fraction``);
    ``log_arrival``: the steps between the logging steps over the times their log lines reached this
    process (pretrain.py does not log throughput yet); ``runtime``: ``train_runtime``, warm-up included.
-4. The raw step: the model pretrain.py builds from the same flags, synthetic inputs already on the
-   device, same batch and precision, channels_last, timed with ``benchmarks/gpu_check.py``'s ``Method``
+4. The raw step (``gpu_e2e_raw.py``): the model pretrain.py builds from the same flags, synthetic inputs already on the
+   device, same batch and precision, channels_last, timed with ``benchmarks/gpu_check_common.py``'s ``Method``
    and ``time_methods``; eager, and with the encoders compiled for the methods of ``--compile``.
 
 Prints a table and writes a JSON report (``--output``). ``benchmarks/gpu_check.py`` runs it as its
@@ -32,35 +33,27 @@ import argparse
 import ast
 import dataclasses
 import datetime
-import io
 import json
-import math
 import os
 import platform
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PRETRAIN = ROOT / "training" / "pretrain.py"
 sys.path.insert(0, str(HERE))
-import gpu_check  # noqa: E402
-
-METHODS = {"moco": "MoCo v2", "simclr": "SimCLR", "mocov3": "MoCo v3"}
+from gpu_e2e_corpus import photo_like_jpeg, write_corpus  # noqa: E402, F401 - photo_like_jpeg re-exported (tests)
+from gpu_e2e_raw import METHODS, PRETRAIN, import_pretrain, time_raw  # noqa: E402
 
 
 @dataclass
@@ -96,84 +89,7 @@ class E2ESettings:
                                 "--predictor_hidden_dim", "32"))
 
 
-# ---------------------------------------------------------------- corpus
-
-
-def photo_like_jpeg(seed: int, quality: int = 90) -> bytes:
-    """A JPEG of a photo-like image: 250-500 px sides (random aspect), a smooth two-colour gradient,
-    a few low-frequency colour blobs, soft-edged shapes and sensor noise (so its size is a photo's)."""
-    from PIL import Image, ImageDraw, ImageFilter
-
-    rng = np.random.default_rng(seed)
-    w, h = (int(v) for v in rng.integers(250, 501, size=2))
-    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)  # (H, W) each
-    angle = rng.uniform(0, 2 * np.pi)
-    t = (np.cos(angle) * xx / w + np.sin(angle) * yy / h + 1) / 2  # (H, W) in [0, 1]
-    c0, c1 = rng.uniform(0, 255, size=(2, 3)).astype(np.float32)
-    img = c0 + t[..., None] * (c1 - c0)  # (H, W, 3)
-    for _ in range(int(rng.integers(2, 5))):  # soft blobs: illumination, out-of-focus objects
-        cx, cy, r = rng.uniform(0, w), rng.uniform(0, h), rng.uniform(0.1, 0.4) * min(w, h)
-        weight = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * r * r))[..., None]  # (H, W, 1)
-        img += weight * rng.uniform(-80, 80, size=3).astype(np.float32)
-    image = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
-    shapes = Image.new("RGBA", (w, h), (0, 0, 0, 0))
-    draw = ImageDraw.Draw(shapes)
-    for _ in range(int(rng.integers(3, 9))):
-        x0, y0 = rng.uniform(-0.2, 1.0) * w, rng.uniform(-0.2, 1.0) * h
-        x1, y1 = x0 + rng.uniform(0.05, 0.5) * w, y0 + rng.uniform(0.05, 0.5) * h
-        colour = (*(int(v) for v in rng.integers(0, 256, size=3)), int(rng.integers(120, 256)))
-        kind = rng.integers(3)
-        if kind == 0:
-            draw.ellipse((x0, y0, x1, y1), fill=colour)
-        elif kind == 1:
-            draw.rectangle((x0, y0, x1, y1), fill=colour)
-        else:
-            draw.polygon([tuple(p) for p in rng.uniform((x0, y0), (x1, y1), size=(5, 2))], fill=colour)
-    shapes = shapes.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.5, 2.5))))  # soft edges, as a lens
-    image = Image.alpha_composite(image.convert("RGBA"), shapes).convert("RGB")
-    noisy = np.asarray(image, dtype=np.float32) + rng.normal(0, rng.uniform(2, 8), size=(h, w, 3))  # (H, W, 3)
-    out = io.BytesIO()
-    Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(out, format="JPEG", quality=quality)
-    return out.getvalue()
-
-
-def write_corpus(directory: Path, images: int, shards: int, seed: int = 0, processes: int = 1) -> dict:
-    """``images`` photo-like JPEGs as ``shards`` webdataset tars (+ ``sizes.json``) with the library's
-    :func:`hf_contrast.write_shards`; returns figures of the corpus."""
-    import datasets
-
-    import hf_contrast
-
-    t = time.perf_counter()
-    shutil.rmtree(directory, ignore_errors=True)  # no shard of an earlier, larger corpus stays in the glob
-    seeds = [seed * 1_000_003 + i for i in range(images)]
-    if processes > 1:
-        with ProcessPoolExecutor(processes) as pool:
-            jpegs = list(pool.map(photo_like_jpeg, seeds, chunksize=16))
-    else:
-        jpegs = [photo_like_jpeg(s) for s in seeds]
-    dataset = datasets.Dataset.from_dict({"image": [{"bytes": b, "path": None} for b in jpegs]},
-                                         features=datasets.Features({"image": datasets.Image()}))
-    paths = hf_contrast.write_shards(dataset, str(directory), images_per_shard=math.ceil(images / shards),
-                                     label_column=None)
-    kib = [len(b) / 1024 for b in jpegs]
-    return dict(directory=str(directory), images=images, shards=len(paths), mean_jpeg_kib=round(statistics.mean(kib), 1),
-                median_jpeg_kib=round(statistics.median(kib), 1), seconds=round(time.perf_counter() - t, 1))
-
-
 # ---------------------------------------------------------------- pretrain.py runs
-
-
-def import_pretrain():
-    """``training/pretrain.py`` as the module ``pretrain`` (its ``build_model`` builds the raw step's model)."""
-    import importlib.util
-
-    if "pretrain" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("pretrain", PRETRAIN)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["pretrain"] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules["pretrain"]
 
 
 def pretrain_options() -> dict[str, list | None]:
@@ -347,73 +263,6 @@ def e2e_run(s: E2ESettings, method: str, compiled: bool, corpus: Path, work: Pat
             raise RuntimeError(error)
         record["error"] = error
     return record
-
-
-# ---------------------------------------------------------------- raw step
-
-
-class RawStep(gpu_check.Method):
-    """``gpu_check``'s timed step on pretrain.py's model: MoCo's keys enter the queue with their
-    instance ids, unchecked, as the trainer enqueues them (the loss check covers them there)."""
-
-    def after_backward(self) -> None:
-        if self._keys is not None:
-            keys, ids = self._keys
-            self.model.enqueue(keys, ids, check_finite=False)
-            self._keys = None
-
-
-def raw_step(s: E2ESettings, method: str, args: list[str]) -> RawStep:
-    """The model pretrain.py builds from the flags ``args``, in a timed step of synthetic inputs on the
-    device (the batch's ``y`` serve as instance ids); a queue starts full, as in steady state."""
-    from transformers import HfArgumentParser
-
-    pretrain = import_pretrain()
-    (model_args, _rest) = HfArgumentParser(pretrain.ModelArguments).parse_args_into_dataclasses(
-        args=args[1:], return_remaining_strings=True)
-    torch.manual_seed(0)
-    model = pretrain.build_model(model_args, s.image_size)
-    queue = getattr(model, "queue", None)
-    if queue is not None:
-        k, d = model.config.queue_size, model.config.projection_dim
-        model.enqueue(F.normalize(torch.randn(k, d), dim=1), torch.arange(k) + 10**6)  # ids no batch uses
-    params = [p for p in model.parameters() if p.requires_grad]  # what the Trainer's optimizer steps
-    step = RawStep(f"{METHODS[method]} raw", model, params, None, torch.device(s.device),
-                   dtype=torch.bfloat16 if s.bf16 else None)
-
-    def forward(x1, x2, y):
-        out = model(x1, x2, instance_ids=y)
-        if out.queue_keys is not None:
-            step._keys = (out.queue_keys, out.queue_instance_ids)
-        return out.loss
-
-    step.step_fn = forward
-    return step
-
-
-def time_raw(s: E2ESettings, method: str, args: list[str], compiled: bool, deadline: float) -> dict:
-    """Median images/s of the raw step (``gpu_check.time_methods``), eager or with compiled encoders."""
-    run = gpu_check.Run(gpu_check.Settings(smoke=s.smoke, device=s.device, image_size=s.image_size,
-                                           repeats=s.raw_repeats, compile_backend=s.compile_backend),
-                        total_budget=max(deadline - time.perf_counter(), 1))
-    step = raw_step(s, method, args)
-    try:
-        t = time.perf_counter()
-        if compiled:
-            gpu_check.compile_encoders(step.model, s.compile_backend)
-            step(s.batch, s.image_size)
-            step(s.batch, s.image_size)  # a recompile shows here, outside the timed rounds
-            gpu_check.sync(step.device)
-        r = gpu_check.time_methods(run, [step], s.batch, deadline, base=None)[step.name]
-        r["setup"] = (f"batch {s.batch}, {'bf16 autocast' if s.bf16 else 'fp32'}, channels_last, SGD momentum, "
-                      + (f"encoders compiled ({s.compile_backend})" if compiled else "eager"))
-        if compiled:
-            r["compile_and_first_steps_s"] = round(time.perf_counter() - t, 1)
-        return r
-    finally:
-        del step
-        gpu_check.free_memory()
-        torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------- the run

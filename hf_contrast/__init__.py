@@ -15,7 +15,8 @@ The public API is every name in ``__all__`` below, imported from here (``from hf
 - sharing (:mod:`hf_contrast.hub`): ``export_encoder``, ``push_encoder_to_hub``, ``EncoderCardData``;
 - evaluation (``knn_accuracy``, ``extract_features``, ``recalibrate_batch_norm``: Precise BN), ``peak_memory_bytes``, and ``distributed``.
 
-Importing the package registers the three configurations and models with ``AutoConfig``/``AutoModel``.
+Importing the package registers the three configurations and models with ``AutoConfig``/``AutoModel``, and
+the Hub push of the encoder export as ``ContrastiveTrainer.push_to_hub``'s (the trainer does not import the Hub layer).
 """
 
 from transformers import AutoConfig, AutoModel
@@ -80,6 +81,7 @@ AutoConfig.register(MoCoV3Config.model_type, MoCoV3Config, exist_ok=True)
 AutoModel.register(MoCoConfig, MoCoModel, exist_ok=True)
 AutoModel.register(SimCLRConfig, SimCLRModel, exist_ok=True)
 AutoModel.register(MoCoV3Config, MoCoV3Model, exist_ok=True)
+ContrastiveTrainer.encoder_push = staticmethod(push_encoder_to_hub)  # trainer.push_to_hub(): the encoder export
 
 __version__ = "0.1.0"
 

@@ -1,12 +1,19 @@
-"""Evaluation of frozen features: weighted kNN top-1 (the InstDisc / MoCo monitor)."""
+"""Evaluation of frozen features: weighted kNN top-1 (the InstDisc / MoCo monitor), and the BatchNorm statistics
+re-estimated on un-augmented images before an encoder is judged (Precise BN)."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+
+from .data.map_dataset import eval_dataset
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -113,3 +120,21 @@ def recalibrate_batch_norm(encoder: nn.Module, dataset, max_batches: int = 8, ba
         m.momentum = momentum
     encoder.train(was_training)
     return encoder
+
+
+def precise_batch_norm(model, train, augmentation, data_args, training_args) -> int:
+    """Precise BN (``--precise_bn_batches``): re-estimate the BatchNorm statistics of ``model.encoder`` (the
+    encoder that is saved, judged and exported) on up to ``precise_bn_batches`` batches of the readable training
+    images ``train`` through the evaluation transform, the same on every process (a seeded order). Returns the number of
+    images seen (0: skipped, as for a backbone without BatchNorm or a stream without a held-in pool)."""
+    norms = [m for m in model.encoder.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if data_args.precise_bn_batches <= 0 or train is None or not norms:
+        return 0
+    batch = training_args.per_device_train_batch_size
+    images = min(len(train), data_args.precise_bn_batches * batch)
+    recalibrate_batch_norm(model.encoder, eval_dataset(train, augmentation, data_args.image_column, label_column=None),
+                           max_batches=data_args.precise_bn_batches, batch_size=batch, seed=training_args.seed)
+    if training_args.process_index == 0:
+        logger.info(f"Precise BN: the encoder's {len(norms)} BatchNorm layers re-estimated on {images} un-augmented "
+                    "training images (--precise_bn_batches 0 keeps the statistics tracked on augmented views)")
+    return images

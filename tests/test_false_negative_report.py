@@ -79,3 +79,35 @@ def test_ablate_expands_seeds_and_variants_into_the_committed_run_names():
     (bad,) = parse(args=["--false_negative_variants", "drop"])
     with pytest.raises(ValueError, match=r"false_negative_variants=\['drop'\] is invalid.*'eliminate'"):
         ablate.expand(bad)
+
+
+def test_ablate_report_writes_the_tables_and_plots(tmp_path):
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
+    try:
+        import ablate_report
+    finally:
+        sys.path.pop(0)
+
+    def run(m, q, knn):
+        ages = {"1": 0.9, "4": 0.8, "8": 0.7 - m / 10}
+        history = [{"step": s, "queue_consistency": 0.8, **{f"queue_consistency_age{a}": v for a, v in ages.items()}}
+                   for s in (1, 2)]
+        return dict(name=f"m{m:g}_q{q}", steps=100, runtime_s=10.0, step_s=0.1, settings=dict(momentum=m, queue_size=q,
+                    seed=0), ages=[1, 4, 8], consistency_by_age=ages, knn_top1=knn, queue_consistency=0.8 + m / 10,
+                    key_drift=0.01, alignment=0.5, uniformity=-2.0, final_loss=5.0, no_signal_loss=7.0,
+                    queue_monitor_s=1.0, queue_monitor_measurements=3, queue_monitor_fraction=0.05,
+                    log_history=history)
+
+    mom, que = [run(0.0, 2048, 0.6), run(0.99, 2048, 0.8)], [run(0.99, 2048, 0.8), run(0.99, 256, 0.7)]
+    a = SimpleNamespace(output_dir=str(tmp_path), backbone="resnet18", temperature=0.2, learning_rate=0.06,
+                        batch_size=256, num_train_epochs=10, seed=0, consistency_every=20, base_queue_size=2048,
+                        base_momentum=0.99)
+    ablate_report.write_report(a, mom, que, mom + que[1:], dict(seconds=5.0, raw_pixels=0.9, random_init=0.3),
+                               "python training/ablate.py", 4000)
+    text = (tmp_path / "README.md").read_text()
+    assert "## Momentum (queue 2048)" in text and "| 0.99 | 0.800 |" in text and "python training/ablate.py" in text
+    assert "best at m = 0.99" in text and "best at K = 2048" in text
+    assert (tmp_path / "momentum.png").exists() and (tmp_path / "queue_size.png").exists()

@@ -1,5 +1,7 @@
-"""The package's shape: no import cycle between its modules, no module past a size a newcomer reads in one
-sitting, and no model class named in code by the trainer, the monitors, the export or the card (they go
+"""The project's shape (docs/architecture.md describes it): no import cycle between the package's modules, nor between the scripts of
+``training/`` and ``benchmarks/`` (imports inside functions included); imports go one way (``models`` and
+``data`` at the bottom, ``trainer`` on them, ``hub`` on top); no module or script past a size a newcomer reads
+in one sitting; and no model class named in code by the trainer, the monitors, the export or the card (they go
 through the method interface, ``ContrastivePreTrainedModel``)."""
 
 import ast
@@ -10,8 +12,41 @@ import pytest
 import hf_contrast
 
 PACKAGE = Path(hf_contrast.__file__).parent
-MAX_LINES = 500  # README "Architecture" lists the modules over 300
+ROOT = PACKAGE.parent
+MAX_LINES = 350  # every module of the package
+SCRIPT_MAX_LINES = {"training/pretrain.py": 400, "training/ablate.py": 350, "training/plan.py": 350}
+TRAINING_MAX_LINES = 400  # any other script of training/ (transformers' example scripts: 400-480)
+BENCHMARK_MAX_LINES = 450  # every file of benchmarks/ (gpu_check.py is split by section)
 METHOD_CLASSES = {"MoCoModel", "MoCoV3Model", "SimCLRModel", "MoCoConfig", "MoCoV3Config", "SimCLRConfig"}
+# (lower layer, what it must not import): imports go up from models and data to trainer, then hub
+LAYERS = [("hf_contrast.models", "hf_contrast.data"), ("hf_contrast.models", "hf_contrast.trainer"),
+          ("hf_contrast.models", "hf_contrast.hub"), ("hf_contrast.data", "hf_contrast.models"),
+          ("hf_contrast.data", "hf_contrast.trainer"), ("hf_contrast.data", "hf_contrast.hub"),
+          ("hf_contrast.trainer", "hf_contrast.hub")]
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (``module -> modules it imports``) as ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt, stack + [nxt])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (cycle := visit(name, [name])):
+            return cycle
+    return None
 
 
 def modules() -> dict[str, Path]:
@@ -23,11 +58,12 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def import_time_imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Modules of the package that ``name`` imports when it is imported (module level, not inside functions)."""
+def package_imports(name: str, path: Path, known: set[str], lazy: bool = True) -> set[str]:
+    """Modules of the package that ``name`` imports: at module level, and with ``lazy`` inside functions too."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if lazy else tree.body:
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -45,30 +81,79 @@ def import_time_imports(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def test_no_import_cycle_between_modules():
+def package_graph(lazy: bool = True) -> dict[str, set[str]]:
     mods = modules()
-    graph = {name: import_time_imports(name, path, set(mods)) for name, path in mods.items()}
     # a package's __init__ re-exports its modules: an edge into a package is an edge into its __init__ only
-    state: dict[str, int] = {}
+    return {name: package_imports(name, path, set(mods), lazy) for name, path in mods.items()}
 
-    def visit(node, stack):
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if nxt not in state:
-                visit(nxt, stack + [nxt])
-        state[node] = 2
 
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
+def script_imports(path: Path, known: set[str]) -> set[str]:
+    """The scripts of ``training/`` and ``benchmarks/`` (by file stem, as they import each other through
+    ``sys.path``) that the script at ``path`` imports, inside functions too."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            found.add((node.module or "").split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+    return found & known - {path.stem}
+
+
+def scripts() -> list[Path]:
+    return sorted([*(ROOT / "training").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")])
+
+
+def test_no_import_cycle_between_modules():
+    graph = package_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle (inside functions included): " + " -> ".join(cycle)
     assert len(graph) > 20 and graph["hf_contrast.trainer.contrastive_trainer"]  # the walk saw real edges
 
 
+def test_no_import_cycle_between_scripts():
+    paths = scripts()
+    stems = [p.stem for p in paths]
+    assert len(stems) == len(set(stems)), "two scripts share a name: their imports would be ambiguous"
+    graph = {p.stem: script_imports(p, set(stems)) for p in paths}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between scripts: " + " -> ".join(cycle)
+    assert "gpu_check_common" in graph["gpu_e2e_raw"] and "gpu_e2e" in graph["gpu_check"]  # real edges seen
+
+
+def test_imports_go_one_way_between_the_packages():
+    graph = package_graph()
+    wrong = sorted((name, target) for name, targets in graph.items() for low, high in LAYERS
+                   if name == low or name.startswith(low + ".")
+                   for target in targets if target == high or target.startswith(high + "."))
+    assert not wrong, wrong
+    # the trainer's push_to_hub reaches the Hub through the hook the package's __init__ sets, not an import
+    assert hf_contrast.ContrastiveTrainer.encoder_push is hf_contrast.push_encoder_to_hub
+
+
+def test_the_checks_see_a_planted_cycle_and_a_lazy_import(tmp_path):
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    planted = tmp_path / "one.py"
+    planted.write_text("import os\n\n\ndef f():\n    from two import g\n    import three.x\n")
+    assert script_imports(planted, {"one", "two", "three", "four"}) == {"two", "three"}
+    module = tmp_path / "mod.py"
+    module.write_text("def f():\n    from .other import g\n")
+    known = {"hf_contrast.data.mod", "hf_contrast.data.other"}
+    assert package_imports("hf_contrast.data.mod", module, known) == {"hf_contrast.data.other"}
+    assert package_imports("hf_contrast.data.mod", module, known, lazy=False) == set()
+
+
 def test_no_module_is_too_long_to_read():
-    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    long = {name: n for name, path in modules().items() if (n := lines(path)) > MAX_LINES}
+    assert not long, long
+
+
+def test_scripts_read_as_examples():
+    limits = {p.relative_to(ROOT).as_posix(): SCRIPT_MAX_LINES.get(p.relative_to(ROOT).as_posix(), TRAINING_MAX_LINES)
+              for p in (ROOT / "training").glob("*.py")}
+    limits |= {p.relative_to(ROOT).as_posix(): BENCHMARK_MAX_LINES for p in (ROOT / "benchmarks").glob("*.py")}
+    assert set(SCRIPT_MAX_LINES) <= set(limits)  # the named scripts exist
+    long = {path: (n, limit) for path, limit in limits.items() if (n := lines(ROOT / path)) > limit}
     assert not long, long
 
 

@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from hf_contrast.trainer.optim import LARS
+
 
 def test_pretrain_runs_and_reports(pretrain, tmp_path, capsys):
     results = pretrain.main([
@@ -42,7 +44,7 @@ def test_mocov3_lars_recipe_for_resnets(pretrain):
     training = pretrain.ContrastiveTrainingArguments(output_dir="unused", per_device_train_batch_size=64,
                                                      gradient_accumulation_steps=2, weight_decay=0.5, use_cpu=True)
     optimizer, recipe = pretrain.apply_mocov3_defaults(model_args, training, ["--weight_decay", "0.5"])
-    assert recipe == "lars" and optimizer[0] is pretrain.LARS
+    assert recipe == "lars" and optimizer[0] is LARS
     assert training.learning_rate == pytest.approx(0.6 * 128 / 256) == optimizer[1]["lr"]
     assert training.weight_decay == 0.5 and training.warmup_steps == pytest.approx(0.1)  # the given flag wins
     no_lars = pretrain.ModelArguments(method="mocov3", backbone="test_resnet")

@@ -1,22 +1,18 @@
 """Data: the two-view augmentation (:mod:`.views`, batched kernels in :mod:`.augment`, views made on the
 accelerator in :mod:`.device_augment`), map-style datasets (:mod:`.datasets`), streamed webdataset shards
 (:mod:`.streaming`, :mod:`.shards`), the checks of unreadable images and shards (:mod:`.preflight`), the
-embedded default dataset (:mod:`.default_dataset`) and local idx files such as Fashion-MNIST's (:mod:`.idx_dataset`)."""
+image-column lookup (:mod:`.columns`), the embedded default dataset (:mod:`.default_dataset`) and local idx
+files such as Fashion-MNIST's (:mod:`.idx_dataset`)."""
 
 from __future__ import annotations
 
 import datasets
 
 from . import augment
+from .columns import IMAGE_COLUMN_CANDIDATES, find_image_column
 from .default_dataset import DIGITS_MEAN, DIGITS_STD, load_default_dataset
 from .idx_dataset import FASHION_MNIST_DIR, load_idx_dataset
-from .map_dataset import (
-    IMAGE_COLUMN_CANDIDATES,
-    TwoViewDataset,
-    eval_dataset,
-    find_image_column,
-    views_seed,
-)
+from .map_dataset import TwoViewDataset, eval_dataset, views_seed
 from .streaming import StreamingTwoViewDataset
 from .views import (
     IMAGENET_MEAN,

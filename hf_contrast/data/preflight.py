@@ -34,6 +34,8 @@ import datasets
 import numpy as np
 from PIL import Image
 
+from .columns import find_image_column
+
 _TAIL = 32  # bytes read at the end of a file
 _JPEG_PADDING = b"\x00\r\n\t "  # bytes some writers leave after the EOI marker
 _LISTED = 10  # bad files named in an error message
@@ -133,8 +135,6 @@ def check_image_value(value: dict, decode: bool = False) -> tuple[str | None, bo
 
 def _image_source(dataset, image_column: str | None):
     """``(datasets.Dataset, column, budget)`` of a dataset or a :class:`~hf_contrast.TwoViewDataset`."""
-    from .map_dataset import find_image_column  # map_dataset builds on this module
-
     budget = 0
     if not isinstance(dataset, datasets.Dataset) and hasattr(dataset, "dataset"):  # a TwoViewDataset
         image_column = image_column or dataset.image_column

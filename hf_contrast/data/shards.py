@@ -18,7 +18,7 @@ import tarfile
 
 import datasets
 
-from .map_dataset import find_image_column
+from .columns import find_image_column
 from .views import to_rgb
 
 SIZES_FILE = "sizes.json"

@@ -36,41 +36,31 @@ batch)``, a resumed run its batches; they are counted in :attr:`StreamingTwoView
 
 Workers persist across epochs (:class:`StreamLoader` keeps one DataLoader iterator, whose dataset
 iterator runs epoch after epoch), so the next epoch's shards are opened while the current one ends.
+The reading and decoding of shards (in the workers) is :class:`~hf_contrast.data.shard_reader.ShardReader`'s.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 
 import datasets
 import numpy as np
 import torch
-from PIL import Image
 
-from .map_dataset import find_image_column, views_seed
-from .preflight import ShardError, UnreadableImageError, check_shards
+from .columns import find_image_column
+from .map_dataset import views_seed
+from .preflight import check_shards
+from .shard_reader import ShardReader, decode_resized, shard_files  # noqa: F401 - decode_resized re-exported
 from .stream_loader import StreamLoader
-from .views import TwoViewAugmentation, square_resized
-
-_READ_CHUNK = 64  # raw samples fetched per datasets call
+from .views import TwoViewAugmentation
 
 
 class StreamingError(ValueError):
     """The stream cannot be split or resumed as asked."""
 
 
-def decode_resized(data: bytes, size: int) -> np.ndarray:
-    """An encoded image -> ``(size, size, 3)`` uint8: its centre square resized to ``size`` (as the
-    shorter side resized to ``size`` then a centre crop, but resampling only the square)."""
-    image = Image.open(io.BytesIO(data))
-    if image.format == "JPEG":
-        image.draft("RGB", (size, size))  # decode at 1/2, 1/4 or 1/8 scale when that still covers size
-    return square_resized(image, size)
-
-
-class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
+class StreamingTwoViewDataset(ShardReader, torch.utils.data.IterableDataset):
     """Two augmented views of the images of a streamed ``datasets.IterableDataset``, batched in workers.
 
     Yields whole batches: ``{"pixel_values", "pixel_values_2"}`` float ``(B, 3, S, S)``, or with
@@ -115,7 +105,7 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         columns = [self.image_column] + (["__key__"] if return_keys else [])
         self._raw = dataset.select_columns(columns).cast_column(self.image_column, datasets.Image(decode=False))
         self.num_shards = dataset.num_shards
-        self.shard_files = _shard_files(dataset)  # for messages and the pre-flight; None when unknown
+        self.shard_files = shard_files(dataset)  # for messages and the pre-flight; None when unknown
         self.augmentation = augmentation
         self.seed = int(seed)
         self.shuffle_buffer = int(shuffle_buffer)
@@ -135,20 +125,6 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         self.decoded = 0  # images decoded by this copy of the dataset (the main process's with 0 workers)
         self._position = (0, 0)  # (epoch, batches taken this epoch) on this rank: the resume state
         self._start = (0, 0)  # what the next iteration starts from (copied into the workers)
-
-    def _count_shards(self) -> list[int]:
-        counts = []
-        for i in range(self.num_shards):
-            try:
-                counts.append(sum(len(b[self.image_column]) for b in self._shard(i).iter(batch_size=_READ_CHUNK)))
-            except Exception as error:  # a truncated or damaged tar
-                raise ShardError(f"Shard {self.shard_name(i)} cannot be read while counting its samples "
-                                 f"({type(error).__name__}: {error}). {_SHARD_FIX}") from error
-        return counts
-
-    def shard_name(self, index: int) -> str:
-        """Shard ``index``'s file when known, else its index."""
-        return self.shard_files[index] if self.shard_files else f"number {index} of {self.num_shards}"
 
     def check(self) -> None:
         """Walk the tar headers of the (local) shards and compare with ``shard_sizes``; once. Done by
@@ -170,9 +146,6 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
     def skipped_sample_ids(self) -> list[int]:
         """Positions in the corpus (shards concatenated in order) of the samples replaced so far."""
         return [] if self._bad is None else self._bad.nonzero().flatten().tolist()
-
-    def _shard(self, index: int):
-        return self._raw.shard(num_shards=self.num_shards, index=index)
 
     def configure(self, batch_size: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                   device_augmentation: bool = False) -> StreamingTwoViewDataset:
@@ -247,100 +220,6 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
         """The iterable of batches for training (one pass = one epoch), see :class:`StreamLoader`."""
         return StreamLoader(self, pin_memory, prefetch_factor, multiprocessing_context)
 
-    # --- reading, in the workers ---
-    def _raw_samples(self, shards: list[int], start: int):
-        """Raw samples ``(value, key, position in the corpus)`` of the concatenation of ``shards`` from
-        index ``start`` (tar reads only)."""
-        for index in shards:
-            n = self.shard_sizes[index]
-            if start >= n:
-                start -= n
-                continue
-            part = self._shard(index)
-            part = part.skip(start) if start else part
-            offset, start = start, 0
-            try:
-                for chunk in part.iter(batch_size=_READ_CHUNK):
-                    keys = chunk.get("__key__") or [None] * len(chunk[self.image_column])
-                    for value, key in zip(chunk[self.image_column], keys, strict=True):
-                        yield value, key, int(self._offsets[index]) + offset
-                        offset += 1
-            except Exception as error:  # e.g. tarfile.ReadError on a truncated tar
-                offset = self._readable_count(index, offset)  # the chunk failed: find the sample
-                raise ShardError(f"Shard {self.shard_name(index)} cannot be read at sample {offset} of {n} "
-                                 f"({type(error).__name__}: {error}): it is truncated or damaged. {_SHARD_FIX}") from error
-            if offset < n:
-                raise ShardError(f"Shard {self.shard_name(index)} ended after {offset} samples, shard_sizes / "
-                                 f"sizes.json lists {n}: it is truncated or sizes.json is stale. {_SHARD_FIX}")
-
-    def _slot_samples(self, epoch: int, slot: int, shards: list[int], start: int, stop: int):
-        """Samples ``start..stop-1`` of the slot's shuffled stream; reading begins at ``start``'s block."""
-        size = self.shuffle_buffer
-        block = start // size
-        raw = self._raw_samples(shards, block * size)
-        index = block * size
-        while index < stop:
-            items = [s for _, s in zip(range(size), raw, strict=False)]
-            if not items:
-                return
-            perm = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, slot, block, 2])).permutation(len(items))
-            for i in perm:
-                if start <= index < stop:
-                    yield items[i]
-                index += 1
-            block += 1
-
-    def _readable_count(self, index: int, start: int) -> int:
-        """Samples of shard ``index`` readable one by one from ``start`` on (on the error path only)."""
-        count = start
-        try:
-            for _ in self._shard(index).skip(start) if start else self._shard(index):
-                count += 1
-        except Exception:  # the failure being located
-            pass
-        return count
-
-    def _decode(self, samples: list) -> tuple[torch.Tensor, list]:
-        """``(B, 3, R, R)`` uint8 images of ``samples`` and their keys; an undecodable one replaced by
-        the next decodable sample of the batch (cyclically) while within ``skip_bad_samples``."""
-        arrays = []
-        for value, key, position in samples:
-            try:
-                data = value.get("bytes")
-                if data is None:
-                    with open(value["path"], "rb") as f:
-                        data = f.read()
-                arrays.append(decode_resized(data, self.source_size))
-            except Exception as error:
-                self._unreadable(key, position, error)
-                arrays.append(None)
-        keys = [key for _, key, _ in samples]
-        good = [i for i, a in enumerate(arrays) if a is not None]
-        if not good:
-            raise UnreadableImageError(f"No decodable image in a batch of {len(samples)} samples (keys {keys[:5]}...)")
-        for i, a in enumerate(arrays):
-            if a is None:  # the next decodable sample of the batch, cyclically
-                j = next((g for g in good if g > i), good[0])
-                arrays[i], keys[i] = arrays[j], keys[j]
-        self.decoded += len(good)
-        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous(), keys  # (B, 3, R, R) uint8
-
-    def _unreadable(self, key, position: int, error: Exception) -> None:
-        """Count sample ``position`` as undecodable; raise when over the budget (or with no budget)."""
-        if self._bad is not None:
-            self._bad[position] = True
-            if self.skipped_samples <= self.skip_bad_samples:
-                return
-        shard = int(np.searchsorted(self._offsets, position, side="right")) - 1
-        raise UnreadableImageError(
-            f"Sample {key!r} (sample {position - int(self._offsets[shard])} of shard {self.shard_name(shard)}) of "
-            f"column {self.image_column!r} cannot be decoded: {type(error).__name__}: {error}. "
-            + (f"It is undecodable sample number {self.skipped_samples}, over skip_bad_samples="
-               f"{self.skip_bad_samples}. " if self._bad is not None else "")
-            + "Fix: write the shard again from good images, or let training replace such samples and count them: "
-            "two_view_dataset(..., skip_bad_samples=N) (pretrain.py: --skip_bad_samples N)."
-        ) from error
-
     def __iter__(self):
         """This worker's batches from ``_start`` on, epoch after epoch (the loader takes one epoch a pass)."""
         epoch, taken = self._start
@@ -377,24 +256,6 @@ class StreamingTwoViewDataset(torch.utils.data.IterableDataset):
             if self.return_keys:
                 out["__key__"] = keys  # a replaced sample carries its replacement's key
             yield out
-
-
-_SHARD_FIX = ("Fix: write it again (hf_contrast.write_shards / training/write_shards.py) or remove it from "
-              "data_files and sizes.json; hf_contrast.data.preflight.check_shards(files, sizes) checks every shard "
-              "before training.")
-
-
-def _shard_files(dataset: datasets.IterableDataset) -> list[str] | None:
-    """The files of the stream's shards, in shard order, when its reader lists them (webdataset:
-    ``tar_paths``), else None."""
-    iterable = getattr(dataset, "_ex_iterable", None)
-    while iterable is not None:
-        for name in ("tar_paths", "files"):
-            files = (getattr(iterable, "kwargs", None) or {}).get(name)
-            if isinstance(files, list) and len(files) == dataset.num_shards and all(isinstance(f, str) for f in files):
-                return list(files)
-        iterable = getattr(iterable, "ex_iterable", None)
-    return None
 
 
 def streaming_two_view_dataset(dataset: datasets.IterableDataset, augmentation: TwoViewAugmentation,

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..data.views import IMAGENET_MEAN, IMAGENET_STD
-from .model_card import CURVES_FILENAME, EncoderCardData, plot_training_curves
+from .curves import CURVES_FILENAME, plot_training_curves
+from .model_card import EncoderCardData
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The model card of an exported encoder: the facts as data (:class:`EncoderCardData`), a Jinja
-template for the prose, and a plot of the training curves.
+template for the prose, and a plot of the training curves (:mod:`.curves`).
 
 The template lives in the repository's top-level ``model_cards/`` folder (where users edit it) and is
 shipped inside the wheel as the package data ``hf_contrast.model_cards`` (``pyproject.toml`` maps that
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,9 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..trainer.throughput import summarize_throughput
-
-logger = logging.getLogger(__name__)
+from .curves import _CURVE_KEYS, CURVES_FILENAME, plot_training_curves  # noqa: F401 - re-exported
 
 TEMPLATE_NAME = "encoder_card.md.jinja"
-CURVES_FILENAME = "training_curves.png"
-_CURVE_KEYS = (("loss", "contrastive loss"), ("contrastive_top1", "contrastive top-1"), ("knn_top1", "kNN top-1"))
 
 
 SOURCE_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME  # in a source checkout (hub/ is two below)
@@ -319,38 +315,3 @@ class EncoderCardData:
             accumulation_note=self.accumulation_note, final_metrics=self.final_metrics(), curves_file=curves_file,
             load_name=self.repo_id,
         )
-
-
-def plot_training_curves(log_history: list[dict[str, Any]], path: str | Path) -> Path | None:
-    """Plot loss, contrastive top-1 and (if logged) kNN top-1 against the optimizer step into ``path``.
-
-    Returns:
-        ``path``, or ``None`` when nothing was logged or matplotlib is not installed.
-    """
-    panels = []
-    for key, label in _CURVE_KEYS:
-        points = [(h["step"], h[key]) for h in log_history if key in h and "step" in h]
-        if points:
-            panels.append((label, points))
-    if not panels:
-        return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: the model card has no training-curve plot (pip install matplotlib)")
-        return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3), squeeze=False)
-    for ax, (label, points) in zip(axes[0], panels, strict=True):
-        steps, values = zip(*points, strict=True)
-        ax.plot(steps, values, marker="." if len(points) < 30 else None)
-        ax.set_title(label)
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

@@ -175,14 +175,17 @@ class ContrastiveTrainer(DataHooks, EvaluationHooks, Trainer):
             self._num_parameters = self.accelerator.unwrap_model(self.model).num_parameters(exclude_embeddings=True)
         return 6 * inputs[main].numel() * self._num_parameters
 
+    #: What :meth:`push_to_hub` calls, ``push(trainer, commit_message=..., **kwargs)``. The Hub layer builds on
+    #: the trainer, not the reverse: ``import hf_contrast`` sets it to :func:`hf_contrast.push_encoder_to_hub`.
+    encoder_push = None
+
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
         """Push the query encoder (timm format) with its model card, not the full checkpoint, to
         ``args.hub_model_id``; main process only. ``kwargs`` as :func:`hf_contrast.push_encoder_to_hub`."""
-        from ..hub.push import (
-            push_encoder_to_hub,  # the Hub layer builds on the trainer's state: imported on use
-        )
-
-        return push_encoder_to_hub(self, commit_message=commit_message or "End of training", **kwargs)
+        push = type(self).encoder_push
+        if push is None:  # only where the package's __init__ did not run, which importing any module of it does
+            raise RuntimeError("ContrastiveTrainer.encoder_push is not set: import hf_contrast first")
+        return push(self, commit_message=commit_message or "End of training", **kwargs)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Checkpoints stay local (full training state, and transformers pickles its training args there):
