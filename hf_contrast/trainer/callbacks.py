@@ -1,4 +1,5 @@
-"""The trainer's callbacks: the EMA once per optimizer step, the epoch handed to the dataset, a stream's epoch."""
+"""The trainer's callbacks: the EMA once per optimizer step, the epoch handed to the dataset, a stream's epoch,
+the loss of a run shorter than one logging window."""
 
 from __future__ import annotations
 
@@ -94,3 +95,16 @@ class StreamEpochCallback(TrainerCallback):
         if epoch not in self._per_epoch:  # a shard plan per epoch: computed once
             self._per_epoch[epoch] = self.stream.batches_per_epoch(epoch)
         state.epoch = epoch + position["batches"] / self._per_epoch[epoch]
+
+
+class LastStepLogCallback(TrainerCallback):
+    """Logs the last step of a run that would otherwise log no loss: one shorter than a logging window (a
+    ``max_steps=2`` smoke test under ``logging_steps=10``). transformers logs only at multiples of
+    ``logging_steps``, so such a run trained and said nothing; longer runs are unchanged."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if (args.logging_strategy == "steps" and state.global_step >= state.max_steps
+                and state.global_step % max(state.logging_steps, 1) != 0
+                and not any("loss" in h for h in state.log_history)):
+            control.should_log = True
+        return control

@@ -16,7 +16,7 @@ from .. import distributed
 from ..data.streaming import StreamingTwoViewDataset
 from ..models.base import ContrastivePreTrainedModel
 from .arguments import ContrastiveTrainingArguments
-from .callbacks import EpochCallback, MomentumCallback, StreamEpochCallback
+from .callbacks import EpochCallback, LastStepLogCallback, MomentumCallback, StreamEpochCallback
 from .checkpointing import (
     RESUME_LAST,
     CheckpointError,
@@ -78,6 +78,7 @@ class ContrastiveTrainer(DataHooks, EvaluationHooks, Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.has_queue = model.has_queue  # keys enqueued after each loss
         self.add_callback(EpochCallback(self))
+        self.add_callback(LastStepLogCallback())
         if isinstance(self.train_dataset, StreamingTwoViewDataset):  # epoch = the stream's position
             self.add_callback(StreamEpochCallback(self.train_dataset))
         self.momentum_callback = MomentumCallback() if model.has_momentum_encoder else None
