@@ -5,6 +5,9 @@ checks a run makes before it spends any compute (a used output folder, a run of 
 from __future__ import annotations
 
 import math
+import os
+import re
+import sys
 
 import torch
 from transformers import HfArgumentParser
@@ -133,3 +136,39 @@ def check_planned_steps(num_images: int, training_args, what: str = "training im
             f"{setup}. The loss is logged once, at the last step (pass --logging_steps {max(steps, 1)} to log sooner)."
         )
     return steps
+
+
+def flag_names(message: str, flags: set[str]) -> str:
+    """``message`` with each ``field=value`` of a known flag written as the command line spells it:
+    ``queue_size=0 is invalid`` -> ``--queue_size 0 is invalid`` (``backbone='resnet_18'`` -> ``--backbone resnet_18``)."""
+    def spell(match: re.Match) -> str:
+        name, value = match.group(1), match.group(2).strip("'\"")
+        return f"--{name} {value}" if name in flags else match.group(0)
+
+    return re.sub(r"(?<![\w-])([A-Za-z_]\w*)=('[^']*'|\"[^\"]*\"|[^\s,;)]+?)(?=[\s,;)]|[.:](?:\s|$)|$)", spell, message)
+
+
+def _while_training(traceback) -> bool:
+    """Whether the error came out of transformers' training loop (a failure to debug, not a setup mistake)."""
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_name == "_inner_training_loop":
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def run_main(main, parser, argv: list[str] | None = None):
+    """Run a script's ``main(argv)`` as a command: a mistake found before training (a ``ValueError``,
+    ``FileNotFoundError``, ``FileExistsError`` or ``CheckpointError`` raised before transformers' training
+    loop) prints ``PROG: error: MESSAGE`` with the flag names of ``parser`` and exits 2, as argparse does for
+    an unknown flag; library callers of ``main`` keep the exception. Errors during training, and every error
+    with ``HF_CONTRAST_TRACEBACK=1``, keep their traceback."""
+    try:
+        return main(argv)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        if _while_training(error.__traceback__) or os.environ.get("HF_CONTRAST_TRACEBACK", "") not in ("", "0"):
+            raise
+        flags = {action.dest for action in parser._actions}
+        message = flag_names(str(error), flags)
+        print(f"{parser.prog}: error: {message}\n(HF_CONTRAST_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None

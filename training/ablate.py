@@ -51,7 +51,7 @@ from hf_contrast import (
     knn_accuracy,
     two_view_dataset,
 )
-from hf_contrast.cli import make_parser
+from hf_contrast.cli import make_parser, run_main
 from hf_contrast.data import DIGITS_MEAN, DIGITS_STD
 
 logger = logging.getLogger("ablate")
@@ -283,4 +283,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, make_parser(AblationArguments))

@@ -30,7 +30,7 @@ import transformers
 from transformers import AutoModelForImageClassification, Trainer, TrainingArguments, set_seed
 
 import hf_contrast
-from hf_contrast.cli import fit_loader_to_device, make_parser, use_numeric_progress
+from hf_contrast.cli import fit_loader_to_device, make_parser, run_main, use_numeric_progress
 from hf_contrast.data import find_image_column, to_rgb
 from hf_contrast.hub.export import load_image_processor
 
@@ -218,4 +218,4 @@ def main(argv: list[str] | None = None, dataset: datasets.DatasetDict | None = N
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, make_parser((ModelArguments, DataArguments, TrainingArguments)))

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModel
 
 from hf_contrast import knn_top1
-from hf_contrast.cli import make_parser
+from hf_contrast.cli import make_parser, run_main
 from hf_contrast.hub.export import load_image_processor
 
 logger = logging.getLogger("linear_probe")
@@ -147,4 +147,4 @@ def main(argv: list[str] | None = None, dataset: datasets.DatasetDict | None = N
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, make_parser((ProbeArguments, DataArguments)))

@@ -66,6 +66,7 @@ from hf_contrast.cli import (
     check_planned_steps,
     fit_loader_to_device,
     make_parser,
+    run_main,
     set_help,
     use_numeric_progress,
 )
@@ -345,5 +346,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, build_parser())  # a setup mistake: "pretrain.py: error: --flag ...", exit 2
     hf_contrast.distributed.shutdown()  # under torchrun: a clean exit of every process

@@ -33,7 +33,7 @@ from linear_probe import train_linear_probe
 from transformers import AutoModel
 
 from hf_contrast import eval_dataset, extract_features, knn_top1
-from hf_contrast.cli import make_parser
+from hf_contrast.cli import make_parser, run_main
 from hf_contrast.evaluation import recalibrate_batch_norm
 
 logger = logging.getLogger("seeds")
@@ -247,4 +247,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, pretrain.build_parser())  # the flags it passes on are pretrain.py's

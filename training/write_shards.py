@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import datasets
 
 import hf_contrast
-from hf_contrast.cli import make_parser
+from hf_contrast.cli import make_parser, run_main
 
 
 @dataclass
@@ -46,4 +46,4 @@ def main(argv: list[str] | None = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, make_parser(ShardArguments))
