@@ -135,7 +135,7 @@ def test_run_rerun_resume_and_overwrite(pretrain, tmp_path, caplog, monkeypatch)
     assert "| optimizer steps | 2 |" in (out / "encoder" / "README.md").read_text()  # replaced as asked
 
 
-# --- 2. too little data for one step or one logging window, refused before anything ----------------------------
+# --- 2. too little data for one step: refused before anything; shorter than a logging window: trains -------------
 
 def test_a_run_of_zero_steps_is_refused_before_anything(pretrain, tmp_path, digits, capfd):
     folder = tmp_path / "images"
