@@ -7,7 +7,9 @@ queue pointer, key encoder, query encoder and loss trajectory (CPU, one thread, 
 
 import importlib.util
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +75,56 @@ def test_sigkill_while_saving_loses_only_unsaved_steps(reference, tmp_path):
     assert_same_state(load_file(tmp_path / "final_state.safetensors"), ref_state)
     got = {int(k): v for k, v in json.loads((tmp_path / "losses.json").read_text()).items()}
     assert {s: got[s] for s in range(4, 9)} == {s: ref_losses[s] for s in range(4, 9)}
+
+
+def test_a_checkpoint_damaged_after_it_was_marked_is_passed_over(reference, tmp_path, caplog):
+    """checkpoint-6's model.safetensors cut in half after the run (a full disk, a copy that stopped): `last`
+    resumes from checkpoint-3, saying why, and ends as the uninterrupted run; naming checkpoint-6 is refused."""
+    ref_state, ref_losses, ref_dir = reference
+    for step in (3, 6):
+        shutil.copytree(ref_dir / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
+    weights = tmp_path / "checkpoint-6" / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size // 2])
+    with pytest.raises(CheckpointError) as error:
+        crash_train.build_trainer(str(tmp_path)).train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+    assert str(error.value) == (
+        f"resume_from_checkpoint={str(tmp_path / 'checkpoint-6')!r} is damaged: model.safetensors is {size // 2:,} "
+        f"bytes but its header says {size:,} (truncated). The last intact checkpoint beside it is "
+        f"{tmp_path / 'checkpoint-3'}: resume from it.")
+    caplog.set_level(logging.WARNING)
+    resumed = crash_train.build_trainer(str(tmp_path))
+    resumed.train(resume_from_checkpoint="last")
+    assert any(r.getMessage() == f"Skipping {tmp_path / 'checkpoint-6'}: model.safetensors is {size // 2:,} bytes "
+               f"but its header says {size:,} (truncated)" for r in caplog.records)
+    assert_same_state(crash_train.final_state(resumed), ref_state)  # from checkpoint-3, steps 4-8 again
+    got = crash_train.losses(resumed)
+    assert {s: got[s] for s in range(4, 9)} == {s: ref_losses[s] for s in range(4, 9)}
+
+
+def test_checkpoint_damage_reads_headers_and_sizes(reference, tmp_path):
+    from hf_contrast.trainer.checkpointing import checkpoint_damage, last_complete_checkpoint
+
+    _, _, ref_dir = reference
+    folder = tmp_path / "checkpoint-6"
+    shutil.copytree(ref_dir / "checkpoint-6", folder)
+    assert checkpoint_damage(str(folder)) is None
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole + b"\0" * 10)  # a tail the header does not account for
+    assert checkpoint_damage(str(folder)) == f"model.safetensors is {len(whole) + 10:,} bytes but its header says {len(whole):,} (extra bytes)"
+    weights.write_bytes(b"\0" * len(whole))  # zero-filled: a header length of 0, no JSON
+    assert "no readable JSON header" in checkpoint_damage(str(folder))
+    weights.write_bytes(whole)
+    optimizer = folder / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:-100])  # a torch zip without its central directory
+    assert checkpoint_damage(str(folder)) == "optimizer.pt is not a whole torch file (its zip directory is missing: truncated)"
+    shutil.copytree(ref_dir / "checkpoint-6", tmp_path / "ok", dirs_exist_ok=True)
+    (folder / "optimizer.pt").write_bytes((tmp_path / "ok" / "optimizer.pt").read_bytes())
+    (folder / "trainer_state.json").write_text('{"global_step": 6')
+    assert checkpoint_damage(str(folder)) == "trainer_state.json is unreadable (JSONDecodeError)"
+    skipped = []
+    assert last_complete_checkpoint(str(tmp_path), skipped) is None and skipped[0][0] == str(folder)
 
 
 def test_checkpoint_missing_queue_or_key_encoder_is_refused(reference, tmp_path):

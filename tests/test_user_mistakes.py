@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 import transformers
+from safetensors.torch import save_file
 
 from hf_contrast import ContrastiveTrainer, ContrastiveTrainingArguments, MoCoModel, two_view_dataset
 from hf_contrast.models.configuration import MoCoConfig
@@ -36,7 +38,7 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
 
 def fake_checkpoint(folder: Path, complete: bool = True) -> Path:
     folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(b"x")
+    save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))
     if complete:
         (folder / "trainer_state.json").write_text("{}")
         (folder / COMPLETE_MARKER).write_text("complete\n")
@@ -97,10 +99,12 @@ def test_an_error_during_training_names_the_last_complete_checkpoint(tiny_traine
 
     monkeypatch.setattr(transformers.Trainer, "train", crash)
     last = fake_checkpoint(tmp_path / "run" / "checkpoint-7")
+    cut = fake_checkpoint(tmp_path / "run" / "checkpoint-9") / "model.safetensors"  # marked, then truncated
+    cut.write_bytes(cut.read_bytes()[:-3])
     with pytest.raises(RuntimeError) as error:
         tiny_trainer.train()
     note = "\n".join(getattr(error.value, "__notes__", []))
-    assert str(last) in note and "resume_from_checkpoint last" in note
+    assert str(last) in note and "resume_from_checkpoint last" in note and "checkpoint-9" not in note
 
 
 # --- 1, 5, 8, 9: a run, a refused rerun, a resume, an overwrite --------------------------------------------
@@ -152,6 +156,33 @@ def test_a_run_of_zero_steps_is_refused_before_anything(pretrain, tmp_path, digi
         assert part in message, part
     assert not out.exists()
     assert "Downloading data" not in capfd.readouterr().err  # 9: a local folder is not downloaded
+
+
+def test_a_train_dir_that_does_not_exist_or_holds_no_image_says_so(pretrain, tmp_path, capsys):
+    """datasets' own text for both is "doesn't contain any data files": say which, on the command line as a flag."""
+    from hf_contrast.cli import run_main
+
+    def run(folder) -> str:
+        with pytest.raises(SystemExit) as stop:
+            run_main(pretrain.main, pretrain.build_parser(), ["--train_dir", str(folder), "--output_dir",
+                                                              str(tmp_path / "out")])
+        assert stop.value.code == 2
+        return capsys.readouterr().err.split(": error: ", 1)[1]  # in-process, argparse's prog is pytest's
+
+    missing = tmp_path / "no_such_folder"
+    assert run(missing).startswith(f"--train_dir {missing} does not exist (no folder {missing}")
+    empty = tmp_path / "empty"
+    (empty / "cats").mkdir(parents=True)
+    (empty / "cats" / "notes.txt").write_text("not an image")
+    message = run(empty)
+    assert f"--train_dir {empty}: no image found in {empty} or its subfolders" in message
+    assert ".png, .jpg, .jpeg" in message and "TRAIN_DIR/CLASS/IMAGE.png" in message
+    (empty / "cats" / "a.PNG").write_bytes(b"")  # an image by its extension, at any depth and any case: no refusal
+    from hf_contrast.data.splits import check_image_folder
+    check_image_folder(str(empty))
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        check_image_folder(str(empty / "cats" / "notes.txt"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_corrupt_image_stops_before_training_or_is_skipped_and_counted(pretrain, tmp_path, digits):
@@ -209,6 +240,22 @@ def test_unknown_backbone_gets_the_configs_answer(pretrain, tmp_path, method):
     with pytest.raises(ValueError, match="backbone='not_a_model' is not a timm model name"):
         pretrain.main(["--method", method, "--backbone", "not_a_model", "--output_dir", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
+
+
+def test_an_image_size_off_the_patch_grid_is_refused_or_padded(pretrain, tmp_path):
+    """vit_tiny_patch16_224 at 30 px would train on a 1x1 grid: the top-left 16x16 pixels of each view."""
+    with pytest.raises(ValueError) as error:
+        pretrain.main(["--backbone", "vit_tiny_patch16_224", "--image_size", "30", "--output_dir", str(tmp_path / "o")])
+    assert str(error.value).startswith("image_size=30 is not a multiple of the patch size 16 of "
+                                       "backbone='vit_tiny_patch16_224': its 1x1 grid of patches would see only the "
+                                       "top-left 16x16 pixels, dropping the last 14. Use image_size=16 or image_size=32")
+    assert not (tmp_path / "o").exists()
+    config = MoCoConfig(backbone="vit_tiny_patch16_224", image_size=30, queue_size=8, projection_hidden_dim=16,
+                        projection_dim=8, backbone_kwargs=dict(img_size=30, dynamic_img_pad=True, dynamic_img_size=True))
+    model = MoCoModel(config)  # padded to 32 px, as asked: a 2x2 grid
+    assert model.encoder.patch_embed.dynamic_img_pad and model.encoder(torch.randn(2, 3, 30, 30)).shape == (2, 192)
+    MoCoModel(MoCoConfig(backbone="vit_tiny_patch16_224", image_size=32, queue_size=8, projection_hidden_dim=16,
+                         projection_dim=8, backbone_kwargs=dict(img_size=32)))  # a multiple: no refusal
 
 
 def test_abbreviated_flags_are_errors(pretrain, tmp_path):

@@ -11,8 +11,10 @@ reads will do): ``dataset_name``, ``dataset_config_name``, ``data_files``, ``tra
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import datasets
+from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
 from .default_dataset import DIGITS_MEAN, DIGITS_STD, load_default_dataset
 from .idx_dataset import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_idx_dataset
@@ -36,6 +38,7 @@ def load_splits(data) -> tuple[datasets.Dataset, datasets.Dataset | None, str]:
         splits = load_idx_dataset(data.idx_dir)
         name = f"the idx files in {data.idx_dir}"
     elif data.train_dir is not None:  # local files: datasets' default bar says "Downloading data"
+        check_image_folder(data.train_dir)
         splits = datasets.load_dataset("imagefolder", data_dir=data.train_dir,
                                        download_config=datasets.DownloadConfig(download_desc="Listing local images"))
         name = data.train_dir
@@ -64,6 +67,24 @@ def load_splits(data) -> tuple[datasets.Dataset, datasets.Dataset | None, str]:
     if len(train) == 0:
         raise ValueError(f"The training split of {name!r} is empty")
     return train, test, name
+
+
+def check_image_folder(train_dir: str) -> None:
+    """Refuse a ``--train_dir`` that does not exist, is a file, or holds no image (at any depth, by the
+    extensions ``datasets``' imagefolder reads), before ``datasets`` says only "doesn't contain any data files"."""
+    folder = Path(train_dir).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(f"train_dir={train_dir!r} does not exist (no folder {folder.resolve()})")
+    if not folder.is_dir():
+        raise ValueError(f"train_dir={train_dir!r} is a file, not a folder of images ({folder.resolve()})")
+    extensions = ImageFolder.EXTENSIONS
+    if not any(p.suffix.lower() in extensions and p.is_file() for p in folder.rglob("*")):
+        common = ", ".join(e for e in (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+                           if e in extensions)
+        raise FileNotFoundError(
+            f"train_dir={train_dir!r}: no image found in {folder.resolve()} or its subfolders (looked for {common} "
+            f"and the other {len(extensions) - len(common.split(', '))} extensions Pillow reads; the imagefolder "
+            "layout is TRAIN_DIR/CLASS/IMAGE.png, or images at the top for no labels)")
 
 
 def is_digits(data) -> bool:

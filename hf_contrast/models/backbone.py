@@ -46,9 +46,32 @@ class ProjectionHead(nn.Sequential):
         super().__init__(*layers)
 
 
+def check_patch_grid(encoder: nn.Module, config: ContrastiveConfig) -> None:
+    """Refuse an ``image_size`` that is not a multiple of a patch backbone's patch size: timm's patch
+    projection (a convolution of stride P) silently drops the last ``image_size % P`` rows and columns, so
+    ``vit_tiny_patch16_224`` at 30 px sees only its top-left 16x16 pixels. Padded patches
+    (``dynamic_img_pad`` with ``dynamic_img_size`` in ``backbone_kwargs``) are accepted."""
+    patch_embed = getattr(encoder, "patch_embed", None)
+    patch = getattr(patch_embed, "patch_size", None)
+    if patch is None or getattr(patch_embed, "dynamic_img_pad", False):
+        return
+    patch = max(patch) if isinstance(patch, (tuple, list)) else int(patch)
+    size = config.image_size
+    if size % patch:
+        lower, upper = size // patch * patch, (size // patch + 1) * patch
+        nearest = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(
+            f"image_size={size} is not a multiple of the patch size {patch} of backbone={config.backbone!r}: its "
+            f"{size // patch}x{size // patch} grid of patches would see only the top-left {lower}x{lower} pixels, "
+            f"dropping the last {size % patch}. Use image_size={nearest.replace(' or ', ' or image_size=')}, or pad "
+            f"to {upper} with dynamic_img_pad and dynamic_img_size true in backbone_kwargs.")
+
+
 def build_encoder_and_head(config: ContrastiveConfig) -> tuple[nn.Module, ProjectionHead]:
-    """The backbone and projection head a config describes."""
+    """The backbone and projection head a config describes (a patch backbone's grid checked against
+    ``config.image_size``, :func:`check_patch_grid`)."""
     encoder = create_backbone(config.backbone, config.backbone_kwargs)
+    check_patch_grid(encoder, config)
     projector = ProjectionHead(
         encoder.num_features,
         config.projection_hidden_dim,

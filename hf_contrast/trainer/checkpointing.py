@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
+import zipfile
 
 import torch
 from safetensors import safe_open
@@ -41,21 +43,82 @@ def mark_complete(directory: str) -> None:
 
 
 def is_complete(directory: str) -> bool:
+    """Whether ``directory`` carries the completion marker (:func:`checkpoint_damage` also reads its files)."""
     return os.path.isfile(os.path.join(directory, COMPLETE_MARKER))
 
 
-def last_complete_checkpoint(output_dir: str) -> str | None:
-    """The ``checkpoint-N`` folder of ``output_dir`` with the largest N that is complete, or None.
+def safetensors_damage(path: str) -> str | None:
+    """Why the safetensors file at ``path`` cannot be whole, or None: its 8-byte little-endian header length,
+    its JSON header, and a size equal to 8 + header + the end of the last tensor's data (a truncated or
+    zero-filled tail fails here). Reads the header only."""
+    size = os.path.getsize(path)
+    name = os.path.basename(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{name} is {size} bytes: too short for a safetensors header"
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            return f"{name} is {size:,} bytes but its header alone says {8 + length:,} (truncated)"
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return f"{name} has no readable JSON header (overwritten or not a safetensors file)"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and "data_offsets" in t]
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        return f"{name} is {size:,} bytes but its header says {expected:,} ({'truncated' if size < expected else 'extra bytes'})"
+    return None
 
-    Folders without the marker (the process died while writing them) are skipped."""
+
+def checkpoint_damage(directory: str) -> str | None:
+    """Why the checkpoint folder ``directory`` is not intact, or None: the completion marker, a readable
+    ``trainer_state.json``, every ``*.safetensors`` file whole (:func:`safetensors_damage`), every torch
+    zip (``optimizer.pt``, ``rng_state.pth``, ...) with its central directory. Reads headers, not tensors."""
+    if not is_complete(directory):
+        return "it was not completely written (no completion marker: the process died while saving it)"
+    return file_damage(directory)
+
+
+def file_damage(directory: str) -> str | None:
+    """:func:`checkpoint_damage` without the marker (a checkpoint written by a stock ``Trainer`` has none)."""
+    state = os.path.join(directory, "trainer_state.json")
+    try:
+        with open(state) as f:
+            json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"trainer_state.json is unreadable ({type(error).__name__})"
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.endswith(".safetensors"):
+            damage = safetensors_damage(path)
+            if damage:
+                return damage
+        elif name.endswith((".pt", ".pth", ".bin")) and os.path.getsize(path) > 0 and not zipfile.is_zipfile(path):
+            return f"{name} is not a whole torch file (its zip directory is missing: truncated)"
+    return None
+
+
+def checkpoint_folders(output_dir: str) -> list[str]:
+    """The ``checkpoint-N`` folders of ``output_dir``, newest (largest N) first."""
     if not os.path.isdir(output_dir):
-        return None
-    steps = []
-    for name in os.listdir(output_dir):
-        match = _CHECKPOINT_RE.match(name)
-        if match and is_complete(os.path.join(output_dir, name)):
-            steps.append(int(match.group(1)))
-    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+        return []
+    found = [(int(m.group(1)), n) for n in os.listdir(output_dir) if (m := _CHECKPOINT_RE.match(n))]
+    return [os.path.join(output_dir, n) for _, n in sorted(found, reverse=True)]
+
+
+def last_complete_checkpoint(output_dir: str, skipped: list | None = None) -> str | None:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the largest N that is intact, or None.
+
+    Newer folders that are not (half-written when the process died, or a file truncated or damaged since,
+    :func:`checkpoint_damage`) are passed over; with ``skipped``, each is appended as ``(folder, why)``."""
+    for folder in checkpoint_folders(output_dir):
+        damage = checkpoint_damage(folder)
+        if damage is None:
+            return folder
+        if skipped is not None:
+            skipped.append((folder, damage))
+    return None
 
 
 RESUME_LAST = ("true", "last", "yes", "1")  # --resume_from_checkpoint words for "the last complete checkpoint"
@@ -79,12 +142,13 @@ def resume_target(value: str | bool | None, output_dir: str) -> str | None:
     if value is None or value is False or (isinstance(value, str) and value.strip().lower() in RESUME_NONE):
         return None
     if value is True or value.strip().lower() in RESUME_LAST:
-        last = last_complete_checkpoint(output_dir)
+        skipped: list = []
+        last = last_complete_checkpoint(output_dir, skipped)
         if last is None:
-            half = incomplete_checkpoints(output_dir)
+            broken = "; ".join(f"{os.path.basename(f)}: {why}" for f, why in skipped)
             raise CheckpointError(
                 f"There is no complete checkpoint to resume from in output_dir={output_dir!r}"
-                + (f" (only half-written ones: {[os.path.basename(h) for h in half]})" if half else "")
+                + (f" (only damaged ones: {broken})" if broken else "")
                 + ": start without --resume_from_checkpoint, or pass the --output_dir of the run to resume."
             )
         return last
@@ -99,6 +163,12 @@ def resume_target(value: str | bool | None, output_dir: str) -> str | None:
             f"the Trainer writes last: a checkpoint-N folder written by a run, not an output_dir or a half-written "
             f"folder).{hint}"
         )
+    damage = file_damage(value)
+    if damage:
+        last = last_complete_checkpoint(os.path.dirname(os.path.abspath(value)))
+        hint = f" The last intact checkpoint beside it is {last}: resume from it." if last else (
+            " No intact checkpoint is beside it.")
+        raise CheckpointError(f"resume_from_checkpoint={value!r} is damaged: {damage}.{hint}")
     return value
 
 
@@ -113,16 +183,6 @@ def previous_run(output_dir: str) -> list[str]:
         if os.path.isdir(path) and (_CHECKPOINT_RE.match(name) or (name in ("final", "encoder") and os.listdir(path))):
             found.append(name)
     return found
-
-
-def incomplete_checkpoints(output_dir: str) -> list[str]:
-    """``checkpoint-N`` folders of ``output_dir`` that lack the completion marker."""
-    if not os.path.isdir(output_dir):
-        return []
-    return sorted(
-        os.path.join(output_dir, n) for n in os.listdir(output_dir)
-        if _CHECKPOINT_RE.match(n) and not is_complete(os.path.join(output_dir, n))
-    )
 
 
 def checkpoint_weight_names(directory: str) -> set[str]:

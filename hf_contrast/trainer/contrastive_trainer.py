@@ -21,7 +21,6 @@ from .checkpointing import (
     RESUME_LAST,
     CheckpointError,
     check_checkpoint,
-    incomplete_checkpoints,
     last_complete_checkpoint,
     load_rank_buffers,
     load_stream_state,
@@ -106,7 +105,8 @@ class ContrastiveTrainer(DataHooks, EvaluationHooks, Trainer):
 
         Args:
             resume_from_checkpoint: ``True``, ``"true"`` or ``"last"``: the last COMPLETE checkpoint of
-                ``output_dir`` (folders half-written when a process died are skipped, with a warning); a path: that
+                ``output_dir`` (newer folders half-written when a process died, or with a file damaged since, are
+                skipped with a warning that says why); a path: that
                 checkpoint folder, which must be complete; ``None``, ``False`` or ``"false"``: start afresh.
 
         Raises:
@@ -116,8 +116,10 @@ class ContrastiveTrainer(DataHooks, EvaluationHooks, Trainer):
         """
         if resume_from_checkpoint is True or (isinstance(resume_from_checkpoint, str)
                                               and resume_from_checkpoint.strip().lower() in RESUME_LAST):
-            for folder in incomplete_checkpoints(self.args.output_dir):
-                logger.warning(f"Skipping {folder}: it was not completely written (the process died while saving it)")
+            skipped: list = []
+            last_complete_checkpoint(self.args.output_dir, skipped)
+            for folder, why in skipped:
+                logger.warning(f"Skipping {folder}: {why}")
         resume_from_checkpoint = resume_target(resume_from_checkpoint, self.args.output_dir)
         log_setup(self)
         try:
