@@ -72,6 +72,7 @@ from .trainer.diagnostics import alignment, key_consistency, parameter_drift, un
 from .trainer.grad_cache import grad_cache_step
 from .trainer.metrics import ContrastiveMetrics
 from .trainer.monitors import KNNMonitor, RepresentationMonitor, TrainingMonitor
+from .trainer.preemption import TrainingPreempted
 from .trainer.queue_monitors import FalseNegativeMonitor, QueueConsistencyMonitor
 from .trainer.throughput import ThroughputMeter, summarize_throughput
 
@@ -90,6 +91,7 @@ __all__ = [
     "distributed",
     "ActivationProbe",
     "CheckpointError",
+    "TrainingPreempted",
     "ContrastiveConfig",
     "ContrastiveMetrics",
     "ContrastiveOutput",

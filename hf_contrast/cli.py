@@ -15,6 +15,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging
 
 from .trainer.checkpointing import previous_run
+from .trainer.preemption import TrainingPreempted
 
 logger = logging.get_logger("hf_contrast.trainer")
 
@@ -162,9 +163,14 @@ def run_main(main, parser, argv: list[str] | None = None):
     ``FileNotFoundError``, ``FileExistsError`` or ``CheckpointError`` raised before transformers' training
     loop) prints ``PROG: error: MESSAGE`` with the flag names of ``parser`` and exits 2, as argparse does for
     an unknown flag; library callers of ``main`` keep the exception. Errors during training, and every error
-    with ``HF_CONTRAST_TRACEBACK=1``, keep their traceback."""
+    with ``HF_CONTRAST_TRACEBACK=1``, keep their traceback. A run stopped by SIGTERM (its checkpoint written,
+    :class:`~hf_contrast.trainer.preemption.TrainingPreempted`) prints how to resume and exits 143."""
     try:
         return main(argv)
+    except TrainingPreempted as error:  # SIGTERM: a complete checkpoint is on disk; 143 = 128 + SIGTERM
+        if os.environ.get("RANK", "0") == "0":  # once under torchrun, where every process stops at the same step
+            print(f"{parser.prog}: {error}", file=sys.stderr)
+        raise SystemExit(143) from None
     except (ValueError, FileNotFoundError, FileExistsError) as error:
         if _while_training(error.__traceback__) or os.environ.get("HF_CONTRAST_TRACEBACK", "") not in ("", "0"):
             raise

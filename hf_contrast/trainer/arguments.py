@@ -32,6 +32,9 @@ class ContrastiveTrainingArguments(TrainingArguments):
             :class:`~hf_contrast.TwoViewDataset`, the workers only decode and resize to ``uint8`` and draw
             each view's parameters; both views are made in the training step on the model's device
             (:class:`~hf_contrast.DeviceAugmentation`, a few batched kernels).
+        save_on_sigterm: on SIGTERM (preemption), write a complete checkpoint at the end of the optimizer step
+            and stop (``train`` raises :class:`~hf_contrast.trainer.preemption.TrainingPreempted`; the scripts
+            exit 143). Replaces transformers' ``enable_jit_checkpoint``, whose run went on to the end.
 
     ``accelerator_config`` defaults to ``{"non_blocking": True}`` on CUDA: batches are copied to the device
     from pinned memory without waiting for it (a blocking copy is a host-device sync in every step).
@@ -51,6 +54,8 @@ class ContrastiveTrainingArguments(TrainingArguments):
     collapse_warning: bool = field(default=True, metadata={"help": "Warn on the collapse / no-signal signature."})
     device_augmentation: bool = field(default=False, metadata={
         "help": "Workers only decode and resize; the views are made batched on the model's device."})
+    save_on_sigterm: bool = field(default=True, metadata={
+        "help": "On SIGTERM (preemption) save a complete checkpoint at the end of the step and stop (exit 143)."})
 
     def __post_init__(self):
         cuda = torch.cuda.is_available() and not self.use_cpu

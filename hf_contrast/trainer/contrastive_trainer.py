@@ -35,6 +35,7 @@ from .evaluation_hooks import EvaluationHooks
 from .grad_cache import grad_cache_step
 from .loss_guard import NonFiniteLossGuard
 from .metrics import ContrastiveMetrics
+from .preemption import TrainingPreempted, take_over_sigterm
 from .throughput import ThroughputMeter, batch_size_of
 
 logger = logging.get_logger("hf_contrast.trainer")  # one name for the package: setup lines, warnings, errors
@@ -87,6 +88,7 @@ class ContrastiveTrainer(DataHooks, EvaluationHooks, Trainer):
         self.loss_guard = NonFiniteLossGuard()
         self.throughput = ThroughputMeter()
         self.add_callback(self.throughput)
+        self.preemption = take_over_sigterm(self) if getattr(self.args, "save_on_sigterm", True) else None
         self.collapse = CollapseDetector()
         self.channels_last = self._use_channels_last(model)
         if self.channels_last:  # parameters keep their identity: optimizer, EMA pairs and names are unchanged
@@ -131,6 +133,8 @@ class ContrastiveTrainer(DataHooks, EvaluationHooks, Trainer):
                 warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
                 output = super().train(resume_from_checkpoint, *args, **kwargs)
         except (Exception, KeyboardInterrupt) as error:
+            if self.preemption is not None:
+                self.preemption.restore()
             last = last_complete_checkpoint(self.args.output_dir) if self.args.should_save else None
             note = (f"hf_contrast: the last complete checkpoint, {last}, is kept: resume from it with "
                     f"resume_from_checkpoint='last' (training/pretrain.py: --resume_from_checkpoint last)." if last
@@ -141,6 +145,10 @@ class ContrastiveTrainer(DataHooks, EvaluationHooks, Trainer):
                 logger.error(note)
             raise
         self._check_loss_guard()  # steps after the last logging step
+        if self.preemption is not None and self.preemption.stopped_at is not None:
+            step = self.preemption.stopped_at
+            folder = os.path.join(self._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+            raise TrainingPreempted(step, self.state.max_steps, folder)
         return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
