@@ -51,8 +51,10 @@ FRACTIONS = (0.01, 0.1, 1.0)
 FINETUNE_FRACTIONS = {0.01: 30, 0.1: 10}  # labels -> fine-tuning epochs (about 5,000 / 60,000 image-steps)
 VALIDATION_SIZE = 5000
 # The recipe chosen on the validation split (results/fashion_mnist/validation.md): MoCo v2's CIFAR
-# augmentation at 32 px with crops 0.2-1 and flips, T 0.2, 15 epochs of the 55,000 images.
-RECIPE = ["--crop_min_scale", "0.2", "--horizontal_flip", "--temperature", "0.2", "--num_train_epochs", "15",
+# augmentation at 48 px (5 epochs at 48 px beat 5 at 32 px, 0.818 against 0.801 val kNN) with crops 0.2-1
+# and flips, T 0.2, 9 epochs of the 55,000 images (about 30 minutes on 2 cores).
+RECIPE = ["--image_size", "48", "--crop_min_scale", "0.2", "--horizontal_flip", "--temperature", "0.2",
+          "--num_train_epochs", "9",
           "--knn_every_n_steps", "645", "--save_steps", "500"]
 METHODS = {"moco": ["--method", "moco", "--queue_size", "4096"],
            "simclr": ["--method", "simclr"],
