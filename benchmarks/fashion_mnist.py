@@ -90,16 +90,33 @@ def run_pretrain(name: str, flags: list[str], args) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "flags.txt").write_text(" ".join(flags) + "\n")
         print(f"[{name}] {' '.join(argv[1:])}", flush=True)
+        segments = wall_segments(folder)
+        segments.append(dict(start=time.time(), seconds=None))
+        (folder / "wall_segments.json").write_text(json.dumps(segments) + "\n")
         start = time.perf_counter()
         with open(folder / "train.log", "a") as log:
             subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=True, cwd=ROOT)
-        (folder / "wall_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+        segments[-1]["seconds"] = time.perf_counter() - start
+        (folder / "wall_segments.json").write_text(json.dumps(segments) + "\n")
+        (folder / "wall_seconds.txt").write_text(f"{sum(s['seconds'] for s in segments):.1f}\n")
     results = json.loads(done.read_text())
     wall = folder / "wall_seconds.txt"
     results["pretrain_minutes"] = float(wall.read_text()) / 60 if wall.exists() else None
     history = folder / "log_history.json"
     results["log_history"] = json.loads(history.read_text()) if history.exists() else []
     return results
+
+
+def wall_segments(folder: Path) -> list[dict]:
+    """The pretraining calls of a run that spanned sessions: ``[{start, seconds}]``. A call that was killed
+    (no ``seconds``) counts until its newest checkpoint: the steps after it are trained again by the next call."""
+    path = folder / "wall_segments.json"
+    segments = json.loads(path.read_text()) if path.exists() else []
+    for segment in segments:
+        if segment["seconds"] is None:
+            saved = [c.stat().st_mtime for c in folder.glob("checkpoint-*") if c.stat().st_mtime >= segment["start"]]
+            segment["seconds"] = max(saved, default=segment["start"]) - segment["start"]
+    return segments
 
 
 class Data:

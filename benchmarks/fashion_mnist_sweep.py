@@ -81,7 +81,7 @@ def run(name: str, flags: list[str], args) -> dict:
 
 def plan_prediction() -> str:
     """What ``training/plan.py`` says for this machine (one 24 GB CPU, 55,000 images, 10 classes)."""
-    argv = [sys.executable, str(ROOT / "training" / "plan.py"), "--backbone", "resnet18", "--image_size", "32",
+    argv = [sys.executable, str(ROOT / "training" / "plan.py"), "--backbone", "resnet18", "--image_size", "48",
             "--device_memory_gb", "24", "--num_devices", "1", "--target_negatives", "65536", "--moco_batch_size",
             "256", "--dataset_size", "55000", "--num_classes", "10"]
     return subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT).stdout

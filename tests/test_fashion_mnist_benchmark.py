@@ -79,7 +79,8 @@ def test_sweep_configurations():
     assert configs["simclr_batch_512"][-1] == "0.12" and sweep.batch_of(configs["simclr_batch_512"]) == 512
     assert sweep.batch_of(configs["queue_4096"]) == 256
     assert "--num_train_epochs" not in sweep.SWEEP_RECIPE and "--knn_every_n_steps" not in sweep.SWEEP_RECIPE
-    assert sweep.SWEEP_RECIPE == ["--crop_min_scale", "0.2", "--horizontal_flip", "--temperature", "0.2"]
+    assert sweep.SWEEP_RECIPE == ["--image_size", "48", "--crop_min_scale", "0.2", "--horizontal_flip", "--temperature",
+                                  "0.2"]
 
 
 def test_unknown_row_is_refused(benchmark, tmp_path):
