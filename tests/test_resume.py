@@ -119,6 +119,8 @@ def test_checkpoint_damage_reads_headers_and_sizes(reference, tmp_path):
     optimizer = folder / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:-100])  # a torch zip without its central directory
     assert checkpoint_damage(str(folder)) == "optimizer.pt is not a whole torch file (its zip directory is missing: truncated)"
+    optimizer.write_bytes(b"")  # an empty file, as a full disk leaves it
+    assert checkpoint_damage(str(folder)).startswith("optimizer.pt is not a whole torch file")
     shutil.copytree(ref_dir / "checkpoint-6", tmp_path / "ok", dirs_exist_ok=True)
     (folder / "optimizer.pt").write_bytes((tmp_path / "ok" / "optimizer.pt").read_bytes())
     (folder / "trainer_state.json").write_text('{"global_step": 6')

@@ -94,7 +94,7 @@ def file_damage(directory: str) -> str | None:
             damage = safetensors_damage(path)
             if damage:
                 return damage
-        elif name.endswith((".pt", ".pth", ".bin")) and os.path.getsize(path) > 0 and not zipfile.is_zipfile(path):
+        elif name.endswith((".pt", ".pth", ".bin")) and not zipfile.is_zipfile(path):  # empty or cut short
             return f"{name} is not a whole torch file (its zip directory is missing: truncated)"
     return None
 
