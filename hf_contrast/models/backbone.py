@@ -58,13 +58,14 @@ def check_patch_grid(encoder: nn.Module, config: ContrastiveConfig) -> None:
     patch = max(patch) if isinstance(patch, (tuple, list)) else int(patch)
     size = config.image_size
     if size % patch:
-        lower, upper = size // patch * patch, (size // patch + 1) * patch
-        nearest = f"{lower} or {upper}" if lower else f"{upper}"
+        grid, lower, upper = size // patch, size // patch * patch, (size // patch + 1) * patch
+        sizes = " or ".join(f"image_size={n}" for n in (lower, upper) if n)
+        seen = f"its {grid}x{grid} grid of patches would see only the top-left {lower}x{lower} pixels" if grid else (
+            "it would have no patch at all")
         raise ValueError(
-            f"image_size={size} is not a multiple of the patch size {patch} of backbone={config.backbone!r}: its "
-            f"{size // patch}x{size // patch} grid of patches would see only the top-left {lower}x{lower} pixels, "
-            f"dropping the last {size % patch}. Use image_size={nearest.replace(' or ', ' or image_size=')}, or pad "
-            f"to {upper} with dynamic_img_pad and dynamic_img_size true in backbone_kwargs.")
+            f"image_size={size} is not a multiple of the patch size {patch} of backbone={config.backbone!r}: {seen}, "
+            f"dropping the last {size % patch}. Use {sizes}, or pad to {upper} with dynamic_img_pad and "
+            f"dynamic_img_size true in backbone_kwargs.")
 
 
 def build_encoder_and_head(config: ContrastiveConfig) -> tuple[nn.Module, ProjectionHead]:
