@@ -5,7 +5,7 @@ Each configuration first runs a short throughput probe (``training/pretrain.py -
 evaluation), then pretrains for the number of steps that fills ``--minutes`` at that measured speed
 (the cosine schedule spans exactly the run), with the kNN monitor on the 5,000-image validation split
 (the test set is not read). ``results/fashion_mnist/sweep/NAME.json`` holds each run's curve (validation
-kNN against seconds of training, ``step x train_runtime / steps``), its final Precise-BN kNN, the narrow-corpus
+kNN against seconds of training alone, the kNN monitor's time left out: ``training_curve``), its final Precise-BN kNN, the narrow-corpus
 warnings it printed and the planner's prediction for this machine (``training/plan.py``);
 ``queue_or_batch.png`` plots them. Resumable: a finished configuration is skipped.
 
@@ -59,6 +59,22 @@ def pretrain(folder: Path, flags: list[str], args, extra: list[str]) -> dict:
     return json.loads((folder / "results.json").read_text())
 
 
+def training_seconds(history: list[dict], batch: int) -> float:
+    """Seconds one step of training takes, without the kNN monitor: ``batch`` over the median images/s of the
+    logging windows (a window that holds a kNN evaluation runs at a fifth of the rate; the median ignores it)."""
+    rates = sorted(h["images_per_second"] for h in history if "images_per_second" in h)
+    return batch / rates[len(rates) // 2]
+
+
+def with_training_curve(record: dict, history: list[dict]) -> dict:
+    """``record`` with ``seconds_per_step`` and ``training_curve``: validation kNN against seconds of training
+    alone (``curve`` spreads the kNN monitor's own time over the steps, about 45 s per evaluation here)."""
+    per_step = training_seconds(history, record["batch"])
+    steps_at = [h["step"] for h in history if "knn_top1" in h]
+    return dict(record, seconds_per_step=per_step,
+                training_curve=[(step * per_step, knn) for step, (_, knn) in zip(steps_at, record["curve"], strict=True)])
+
+
 def run(name: str, flags: list[str], args) -> dict:
     """Probe the speed, then pretrain for ``--minutes``; returns the sweep record."""
     folder = Path(args.output_dir) / "sweep" / name
@@ -70,13 +86,14 @@ def run(name: str, flags: list[str], args) -> dict:
     history = json.loads((folder / "log_history.json").read_text())
     runtime = next(h["train_runtime"] for h in history if "train_runtime" in h)
     log = (folder / "train.log").read_text().splitlines()
-    return dict(name=name, flags=flags, budget_minutes=args.minutes, probe_images_per_second=images_per_second,
+    record = dict(name=name, flags=flags, budget_minutes=args.minutes, probe_images_per_second=images_per_second,
                 steps=steps, batch=batch_of(flags), train_runtime=runtime,
                 images_per_second=results.get("images_per_second"),
                 num_negatives=next((h["num_negatives"] for h in reversed(history) if "num_negatives" in h), None),
                 curve=[(h["step"] * runtime / steps, h["knn_top1"]) for h in history if "knn_top1" in h],
                 final_knn=results.get("knn_pretrained"), raw_pixels_knn=results.get("knn_raw_pixels"),
                 warnings=[line.split("WARNING ", 1)[1] for line in log if " WARNING hf_contrast" in line])
+    return with_training_curve(record, history)
 
 
 def plan_prediction() -> str:
@@ -95,7 +112,7 @@ def plot(records: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in records:
-        seconds, knn = zip(*r["curve"], strict=True) if r["curve"] else ((), ())
+        seconds, knn = zip(*r["training_curve"], strict=True) if r["training_curve"] else ((), ())
         style = "-" if r["name"].startswith("queue") else "--"
         ax.plot([s / 60 for s in seconds], knn, style, marker="o", label=f"{r['name']} ({r['num_negatives']:.0f} neg.)")
     raw = next((r["raw_pixels_knn"] for r in records if r.get("raw_pixels_knn")), None)
@@ -133,7 +150,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
         print(f"[{name}] {record['steps']} steps in {record['train_runtime'] / 60:.1f} min, validation kNN "
               f"{record['final_knn']:.4f}", flush=True)
-    records = [json.loads((out / f"{n}.json").read_text()) for n in configs if (out / f"{n}.json").exists()]
+    records = []
+    for name in (n for n in configs if (out / f"{n}.json").exists()):
+        record = json.loads((out / f"{name}.json").read_text())
+        history = Path(args.output_dir) / "sweep" / name / "log_history.json"
+        if "training_curve" not in record and history.exists():  # written before the field existed
+            record = with_training_curve(record, json.loads(history.read_text()))
+            (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+        records.append(record)
     if records:
         plot(records, Path(args.results_dir) / "queue_or_batch.png")
     return records

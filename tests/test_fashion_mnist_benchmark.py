@@ -83,6 +83,23 @@ def test_sweep_configurations():
                                   "0.2"]
 
 
+def test_sweep_curve_leaves_out_the_knn_monitor_time():
+    """The plot's x axis is training time alone: a logging window holding a kNN evaluation (a fifth of the rate)
+    does not stretch it, where spreading train_runtime over the steps would."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fashion_mnist_sweep as sweep
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    history = [{"images_per_second": 256.0, "step": 10}, {"images_per_second": 51.2, "step": 20},
+               {"knn_top1": 0.7, "step": 20}, {"images_per_second": 256.0, "step": 30}, {"knn_top1": 0.8, "step": 30}]
+    record = dict(batch=128, curve=[(40.0, 0.7), (60.0, 0.8)])
+    out = sweep.with_training_curve(record, history)
+    assert out["seconds_per_step"] == 0.5  # 128 images at the median 256 images/s
+    assert out["training_curve"] == [(10.0, 0.7), (15.0, 0.8)]
+    assert out["curve"] == record["curve"]
+
+
 def test_unknown_row_is_refused(benchmark, tmp_path):
     with pytest.raises(SystemExit, match="--only mocov4: not a row; the rows are moco_s0, raw_pixels"):
         benchmark.main(["--quick", "--output_dir", str(tmp_path), "--only", "mocov4"])
