@@ -117,7 +117,7 @@ def plot(records: list[dict], path: Path) -> None:
         ax.plot([s / 60 for s in seconds], knn, style, marker="o", label=f"{r['name']} ({r['num_negatives']:.0f} neg.)")
     raw = next((r["raw_pixels_knn"] for r in records if r.get("raw_pixels_knn")), None)
     if raw:
-        ax.axhline(raw, color="grey", lw=0.8, label=f"raw pixels {raw:.3f}")
+        ax.axhline(raw, color="grey", lw=0.8, label=f"raw pixels after normalisation {raw:.3f}")
     ax.set_xlabel("minutes of training (2 CPU cores)")
     ax.set_ylabel("validation kNN top-1 (k=200, t=0.1)")
     ax.set_title("Fashion-MNIST: MoCo queue vs SimCLR batch at equal time")
