@@ -103,3 +103,27 @@ def test_sweep_curve_leaves_out_the_knn_monitor_time():
 def test_unknown_row_is_refused(benchmark, tmp_path):
     with pytest.raises(SystemExit, match="--only mocov4: not a row; the rows are moco_s0, raw_pixels"):
         benchmark.main(["--quick", "--output_dir", str(tmp_path), "--only", "mocov4"])
+
+
+def options(flags: list[str]) -> dict[str, str | bool]:
+    """``["--a", "1", "--flag", "--b", "2"]`` -> ``{"--a": "1", "--flag": True, "--b": "2"}``."""
+    out = {}
+    for i, f in enumerate(flags):
+        if f.startswith("--"):
+            value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else True
+            assert f not in out, f"{f} given twice"
+            out[f] = value
+    return out
+
+
+def test_headline_rows_train_for_equal_time_and_match_the_recorded_run(benchmark):
+    """Each method gets the epochs that fill ~30 minutes (MoCo 9, SimCLR 6, MoCo v3 4), every flag once, and the
+    MoCo row is exactly the recipe that produced the committed seed-0 result."""
+    runs = benchmark.pretrain_runs(quick=False)
+    assert list(runs) == ["moco_s0", "simclr_s0", "mocov3_s0", "moco_s1", "simclr_s1", "moco_s2", "simclr_s2"]
+    epochs = {name: options(flags)["--num_train_epochs"] for name, flags in runs.items()}
+    assert epochs == {"moco_s0": "9", "simclr_s0": "6", "mocov3_s0": "4", "moco_s1": "9", "simclr_s1": "6",
+                      "moco_s2": "9", "simclr_s2": "6"}
+    recorded = json.loads((ROOT / "results" / "fashion_mnist" / "runs" / "moco_s0" / "result.json").read_text())
+    assert options(runs["moco_s0"]) == options(recorded["pretrain_flags"])
+    assert options(runs["simclr_s2"])["--method"] == "simclr" and options(runs["simclr_s2"])["--seed"] == "2"
