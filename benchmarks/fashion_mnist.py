@@ -3,7 +3,7 @@
 
 Every pretraining run is ``training/pretrain.py`` (a subprocess, its log in the run folder) on the
 local idx files (``apt-get install dataset-fashion-mnist``) with 5,000 training images held out as the
-validation split: every choice of recipe is made on that split (``results/fashion_mnist/validation.md``),
+validation split: every choice of recipe is made on that split (``results/fashion_mnist/validation.json``),
 and the 10,000 test images are scored once per final configuration. Each run's exported encoder is
 loaded with plain ``transformers.AutoModel`` and its own image processor, and judged on frozen
 features of all 60,000 training images: weighted kNN (k=200, t=0.1) and a linear probe (L-BFGS
@@ -50,7 +50,7 @@ from hf_contrast.evaluation import recalibrate_batch_norm  # noqa: E402
 FRACTIONS = (0.01, 0.1, 1.0)
 FINETUNE_FRACTIONS = {0.01: 30, 0.1: 10}  # labels -> fine-tuning epochs (about 5,000 / 60,000 image-steps)
 VALIDATION_SIZE = 5000
-# The recipe chosen on the validation split (results/fashion_mnist/validation.md): MoCo v2's CIFAR
+# The recipe chosen on the validation split (results/fashion_mnist/validation.json and README.md): MoCo v2's CIFAR
 # augmentation at 48 px (5 epochs at 48 px beat 5 at 32 px, 0.818 against 0.801 val kNN) with crops 0.2-1
 # and flips, T 0.2; each method trains for the epochs of the 55,000 images that fill about 30 minutes on
 # 2 cores (EPOCHS). The kNN monitor runs every 3 epochs of 215 steps.
@@ -60,8 +60,8 @@ METHODS = {"moco": ["--method", "moco", "--queue_size", "4096"],
            "simclr": ["--method", "simclr"],
            "mocov3": ["--method", "mocov3"]}
 HEADLINE_SEEDS = {"moco": (0, 1, 2), "simclr": (0, 1, 2), "mocov3": (0,)}
-# Equal time, not equal epochs: measured alone at batch 256, MoCo (queue 4,096) trains ~260 images/s and
-# SimCLR ~180 (results/fashion_mnist/sweep), so 9 and 6 epochs both take about 31 minutes; a MoCo v3 step
+# Equal time, not equal epochs: measured alone at batch 256, MoCo (queue 4,096) trains ~290 images/s and
+# SimCLR ~200 (results/fashion_mnist/runs), so 9 and 6 epochs take 29-31 and 28 minutes; a MoCo v3 step
 # costs about twice a MoCo v2 one (docs/mocov3.md), so it gets 4.
 EPOCHS = {"moco": 9, "simclr": 6, "mocov3": 4}
 SUPERVISED_EPOCHS = 15
