@@ -62,9 +62,11 @@ METHODS = {"moco": ["--method", "moco", "--queue_size", "4096"],
 HEADLINE_SEEDS = {"moco": (0, 1, 2), "simclr": (0, 1, 2), "mocov3": (0,)}
 # Equal time, not equal epochs: measured alone at batch 256, MoCo (queue 4,096) trains ~290 images/s and
 # SimCLR ~200 (results/fashion_mnist/runs), so 9 and 6 epochs take 29-31 and 28 minutes; a MoCo v3 step
-# costs about twice a MoCo v2 one (docs/mocov3.md), so it gets 4.
-EPOCHS = {"moco": 9, "simclr": 6, "mocov3": 4}
-SUPERVISED_EPOCHS = 15
+# costs about twice a MoCo v2 one (docs/mocov3.md: both encoders see both views), ~145 images/s, so it gets 5.
+EPOCHS = {"moco": 9, "simclr": 6, "mocov3": 5}
+# The ceiling gets the pretraining rows' ~30 minutes: a 10%-label fine-tune (6,000 images x 10 epochs) took
+# 2.3-2.6 min, so 60,000 images x 12 epochs is about 30.
+SUPERVISED_EPOCHS = 12
 QUICK = dict(train=2000, test=1000, pretrain=["--max_train_samples", "2000", "--backbone", "test_resnet", "--projection_hidden_dim", "64",
                                               "--num_train_epochs", "3", "--per_device_train_batch_size", "64",
                                               "--queue_size", "512", "--knn_every_n_steps", "0",
